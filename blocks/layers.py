@@ -1,0 +1,93 @@
+"""Transformer building blocks shared by the block denoiser and the end-to-end reference."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        n, t, d = x.shape
+        q, k, v = self.qkv(x).view(n, t, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        if attn_mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=p)
+        return self.proj(y.transpose(1, 2).reshape(n, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, ratio: int, dropout: float = 0.0):
+        super().__init__()
+        self.fc = nn.Linear(d_model, ratio * d_model)
+        self.out = nn.Linear(ratio * d_model, d_model)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.out(F.gelu(self.fc(x))))
+
+
+class TransformerLayer(nn.Module):
+    """Pre-norm layer. With ``cond_dim`` it uses adaLN-Zero (DiT): the condition (noise level)
+    sets a shift, scale and gate per sub-layer, initialised so the layer starts as identity."""
+
+    def __init__(self, d_model: int, n_heads: int, mlp_ratio: int, dropout: float = 0.0,
+                 cond_dim: int | None = None):
+        super().__init__()
+        self.attn = SelfAttention(d_model, n_heads, dropout)
+        self.mlp = MLP(d_model, mlp_ratio, dropout)
+        affine = cond_dim is None
+        self.norm1 = nn.LayerNorm(d_model, elementwise_affine=affine)
+        self.norm2 = nn.LayerNorm(d_model, elementwise_affine=affine)
+        self.modulation = None
+        if cond_dim is not None:
+            self.modulation = nn.Linear(cond_dim, 6 * d_model)
+            self.modulation.zero_init = True  # adaLN-Zero: init_weights leaves it at zero
+            nn.init.zeros_(self.modulation.weight)
+            nn.init.zeros_(self.modulation.bias)
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.modulation is None:
+            x = x + self.attn(self.norm1(x), attn_mask)
+            return x + self.mlp(self.norm2(x))
+        m = self.modulation(cond)
+        if m.dim() == 2:
+            m = m.unsqueeze(1)
+        s1, b1, g1, s2, b2, g2 = m.chunk(6, dim=-1)
+        x = x + (1 + g1) * self.attn(self.norm1(x) * (1 + s1) + b1, attn_mask)
+        return x + (1 + g2) * self.mlp(self.norm2(x) * (1 + s2) + b2)
+
+
+class NoiseEmbedding(nn.Module):
+    """Fourier features of c_noise followed by an MLP (as in EDM/DiT)."""
+
+    def __init__(self, d_model: int, n_freqs: int = 64):
+        super().__init__()
+        self.register_buffer("freqs", torch.exp(torch.linspace(0, math.log(1000.0), n_freqs)), persistent=False)
+        self.mlp = nn.Sequential(nn.Linear(2 * n_freqs, d_model), nn.SiLU(), nn.Linear(d_model, d_model))
+
+    def forward(self, c_noise: torch.Tensor) -> torch.Tensor:
+        a = c_noise.float().unsqueeze(-1) * self.freqs
+        return self.mlp(torch.cat([a.sin(), a.cos()], dim=-1))
+
+
+def init_weights(module: nn.Module, std: float = 0.02) -> None:
+    for m in module.modules():
+        if isinstance(m, nn.Linear) and not getattr(m, "zero_init", False):
+            nn.init.normal_(m.weight, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=std)

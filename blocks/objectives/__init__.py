@@ -1,0 +1,25 @@
+"""Registry of block-local objectives. ``get_objective(cfg)`` builds the one the config names."""
+from __future__ import annotations
+
+from ..config import ConfigError, ModelConfig
+from .base import Objective, ScoreResult
+from .paper import PaperObjective
+
+OBJECTIVES: dict[str, type[Objective]] = {
+    PaperObjective.name: PaperObjective,
+}
+
+DEFAULT_OBJECTIVE = "paper"
+
+
+def get_objective(cfg: ModelConfig) -> Objective:
+    try:
+        cls = OBJECTIVES[cfg.objective]
+    except KeyError:
+        raise ConfigError(
+            f"field 'objective': unknown objective {cfg.objective!r}; known: {', '.join(sorted(OBJECTIVES))}"
+        ) from None
+    return cls(cfg)
+
+
+__all__ = ["OBJECTIVES", "DEFAULT_OBJECTIVE", "Objective", "ScoreResult", "get_objective"]

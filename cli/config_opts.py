@@ -1,0 +1,43 @@
+"""Shared click options that build a ModelConfig: --config FILE, --objective, --set KEY=VALUE."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import click
+
+from ..blocks.config import ConfigError, ModelConfig
+
+
+def config_options(fn):
+    fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                      help="Override one config field, e.g. --set n_blocks=4 --set d_model=128.")(fn)
+    fn = click.option("--objective", default=None, help="Block-local objective (default: the config's).")(fn)
+    fn = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+                      help="Model/run config file (TOML or JSON).")(fn)
+    return fn
+
+
+def build_config(config_path: str | None, objective: str | None, overrides: tuple[str, ...]) -> ModelConfig:
+    cfg = ModelConfig.load(config_path) if config_path else ModelConfig()
+    changes: dict = {}
+    fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"extra"}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if key not in fields:
+            raise ConfigError(f"--set: unknown field '{key}'")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw
+        changes[key] = value
+    if objective:
+        changes["objective"] = objective
+    if changes:
+        cfg = ModelConfig.from_dict({**cfg.to_dict(), **changes}, source="command line")
+    from ..blocks.objectives import get_objective  # validates the objective name
+    get_objective(cfg)
+    return cfg

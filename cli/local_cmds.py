@@ -1,0 +1,131 @@
+"""bt-node train-local / eval / bench quality: training and scoring without a network."""
+from __future__ import annotations
+
+import click
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..blocks.data import resolve_data
+from ..node.budget import Budget
+from ..node.local_eval import evaluate_checkpoint_dir
+from ..node.local_train import LocalRun, pick_device
+from .config_opts import build_config, config_options
+from .errors import friendly
+from .render import emit_json, err_console, eval_table
+
+DATA_HELP = ("Text source: a file, a folder of text files, a WikiText raw folder, or wikitext-2 / "
+             "wikitext-103 (Hugging Face, needs a network).")
+
+
+def data_options(fn):
+    fn = click.option("--eval-data", default=None,
+                      help="Held-out text (default: the source's test split, or its last 5%).")(fn)
+    fn = click.option("--data", required=True, help=DATA_HELP)(fn)
+    return fn
+
+
+def _train(cfg, data, eval_data, budget, device, seed, small_reference, quiet):
+    split = resolve_data(data, eval_data)
+    run = LocalRun(cfg, split, pick_device(device), seed=seed, reference=True,
+                   small_reference=small_reference)
+    if not quiet:
+        err_console.print(f"[bold]data[/]: {split.description}  [bold]protocol[/]: {split.protocol}")
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                  TimeElapsedColumn(), console=err_console, disable=quiet, transient=True) as bar:
+        task = bar.add_task(f"training {cfg.n_blocks} blocks + reference", total=1.0, info="")
+
+        def on_round(r: LocalRun, frac: float) -> None:
+            if r.rounds % 5 == 0 or frac >= 1.0:
+                losses = " ".join(f"{t.name}:{t.last.get('loss', float('nan')):.3f}" for t in r.trainees)
+                bar.update(task, completed=frac, info=f"round {r.rounds}  {losses}")
+
+        run.train(budget, on_round)
+    return run
+
+
+@click.command("train-local")
+@data_options
+@config_options
+@click.option("--budget", default="500steps", show_default=True,
+              help="Training budget per block: '500steps' or a wall time like '90s', '5m'.")
+@click.option("--out", type=click.Path(file_okay=False), default=None, help="Save checkpoints here.")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Data/noise sampling seed.")
+@click.option("--k", "k", type=int, default=4, show_default=True, help="Chain samples averaged when scoring.")
+@click.option("--eval-windows", type=int, default=64, show_default=True, help="Held-out windows scored.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@friendly
+def train_local(data, eval_data, config_path, objective, overrides, budget, out, device, seed, k,
+                eval_windows, as_json):
+    """Train all B blocks and the end-to-end reference locally, then score them on held-out text.
+
+    \b
+    Example:
+      bt-node train-local --data ../shared/data/wikitext-2-raw --budget 90s --out runs/local
+    """
+    cfg = build_config(config_path, objective, overrides)
+    run = _train(cfg, data, eval_data, Budget.parse(budget), device, seed, False, as_json)
+    res = run.evaluate(n_windows=eval_windows, k=k)
+    if out:
+        run.save(out)
+        res["checkpoint"] = str(out)
+    _report(res, as_json, "train-local")
+
+
+@click.command("eval")
+@click.option("--checkpoint", required=True, type=click.Path(file_okay=False),
+              help="Directory written by train-local or export.")
+@data_options
+@click.option("--device", default="auto", show_default=True)
+@click.option("--k", "k", type=int, default=4, show_default=True)
+@click.option("--eval-windows", type=int, default=64, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def eval_cmd(checkpoint, data, eval_data, device, k, eval_windows, as_json):
+    """Score saved blocks (and a saved reference) on held-out text.
+
+    \b
+    Example:
+      bt-node eval --checkpoint runs/local --data ../shared/data/wikitext-2-raw
+    """
+    split = resolve_data(data, eval_data)
+    res = evaluate_checkpoint_dir(checkpoint, split, device=pick_device(device), k=k, n_windows=eval_windows)
+    _report(res, as_json, f"eval {checkpoint}")
+
+
+@click.command("quality")
+@data_options
+@config_options
+@click.option("--budget", default="120s", show_default=True, help="'500steps' or wall time ('120s').")
+@click.option("--device", default="auto", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--k", "k", type=int, default=4, show_default=True)
+@click.option("--eval-windows", type=int, default=64, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def bench_quality(data, eval_data, config_path, objective, overrides, budget, device, seed, k,
+                  eval_windows, as_json):
+    """BlockTrain vs end-to-end references at EQUAL training FLOPs on the same data and windows.
+
+    \b
+    Trains the objective's B blocks, an autoregressive reference of the whole depth (one step
+    per round, like each block) and one of one block's depth (B steps per round), then scores
+    all on the same held-out windows.
+    Example:
+      bt-node bench quality --data ../shared/data/wikitext-2-raw --budget 120s --json
+    """
+    cfg = build_config(config_path, objective, overrides)
+    run = _train(cfg, data, eval_data, Budget.parse(budget), device, seed, True, as_json)
+    res = run.evaluate(n_windows=eval_windows, k=k)
+    flops = run.flops()
+    res["flops_each"] = {"chain": flops["chain"], "reference": flops.get("reference"),
+                         "single_block_reference": flops.get("reference_1block")}
+    _report(res, as_json, "bench quality (equal training FLOPs)")
+
+
+def _report(res: dict, as_json: bool, title: str) -> None:
+    if as_json:
+        emit_json(res)
+    else:
+        err_console.print(eval_table(res, title))
+        click.echo(f"chain_ce={res['chain_ce']:.4f} ({res['ce_kind']}, K={res['chain_k']}) "
+                   f"protocol={res['protocol']}")

@@ -1,0 +1,37 @@
+"""The ``bt-node`` command."""
+from __future__ import annotations
+
+import click
+
+from .local_cmds import bench_quality, eval_cmd, train_local
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="blocktrain")
+def cli():
+    """BlockTrain node: train and serve one language model split into blocks, peer to peer.
+
+    \b
+    Examples:
+      bt-node train-local --data ../shared/data/wikitext-2-raw --budget 90s
+      bt-node eval --checkpoint runs/local --data ../shared/data/wikitext-2-raw
+      bt-node bench quality --data ../shared/data/wikitext-2-raw --budget 120s --json
+    """
+
+
+@cli.group()
+def bench():
+    """Benchmarks that print a table (and JSON with --json)."""
+
+
+cli.add_command(train_local)
+cli.add_command(eval_cmd)
+bench.add_command(bench_quality)
+
+
+def main() -> None:
+    cli(prog_name="bt-node")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""Printing results: a rich table on stderr for people, one JSON object on stdout for tools."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+err_console = Console(stderr=True)
+
+
+def emit_json(obj: dict) -> None:
+    sys.stdout.write(json.dumps(obj, default=_default) + "\n")
+    sys.stdout.flush()
+
+
+def _default(o):
+    if hasattr(o, "tolist"):
+        return o.tolist()
+    return str(o)
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.4f}"
+    if isinstance(v, list):
+        return ", ".join(fmt(x) for x in v)
+    return str(v)
+
+
+def eval_table(res: dict, title: str) -> Table:
+    t = Table(title=title)
+    t.add_column("model")
+    t.add_column("held-out nats/byte", justify="right")
+    t.add_column("note")
+    kind = res.get("ce_kind", "exact")
+    t.add_row(f"chain, K={res['chain_k']} average", fmt(res["chain_ce"]), f"{kind}; the composed model")
+    t.add_row("chain, K=1", fmt(res["chain_ce_k1"]), "one sample of starting noise")
+    for b, ce in enumerate(res["block_ce"]):
+        t.add_row(f"block {b} alone", fmt(ce), "own noise level, uninformative input")
+    if "reference_ce" in res:
+        t.add_row("end-to-end reference", fmt(res["reference_ce"]), "same total depth, equal steps")
+    if "single_block_reference_ce" in res:
+        t.add_row("one-block-size reference", fmt(res["single_block_reference_ce"]), "equal training FLOPs")
+    t.caption = f"protocol: {res.get('protocol')}; {res.get('eval_tokens')} held-out bytes"
+    return t
