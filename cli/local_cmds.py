@@ -24,7 +24,7 @@ def data_options(fn):
 
 
 def _train(cfg, data, eval_data, budget, device, seed, small_reference, quiet):
-    split = resolve_data(data, eval_data)
+    split = resolve_data(data, eval_data, seq_len=cfg.seq_len)
     run = LocalRun(cfg, split, pick_device(device), seed=seed, reference=True,
                    small_reference=small_reference)
     if not quiet:

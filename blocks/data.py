@@ -1,0 +1,437 @@
+"""Byte streams for training and evaluation.
+
+A data source (``SRC``) is one of
+
+1. a file: its raw bytes;
+2. a WikiText raw folder (holds ``wiki.train.raw`` / ``wiki.valid.raw`` / ``wiki.test.raw``);
+3. a folder with ``train.txt`` (and usually ``test.txt``), such as the Gutenberg corpus;
+4. any other folder of text files: ``*.txt``, ``*.raw``, ``*.md``, ... sorted by name, joined
+   with ``b"\\n"``; binary files are skipped;
+5. ``wikitext-2`` / ``wikitext-103``: the Hugging Face ``datasets`` copy (network or cache
+   needed; ``datasets`` is imported only here). An existing path of that name wins.
+
+:func:`load_source` reads a source into a :class:`ByteCorpus`; :func:`resolve_data` turns a
+source (plus an optional evaluation source) into a :class:`DataSplit` of train and evaluation
+bytes with a protocol label that must be reported next to every figure.
+
+:class:`WindowSampler` draws deterministic random training windows (per-worker seed,
+resumable); :func:`eval_windows` builds the fixed evaluation set.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DataError", "ByteCorpus", "DataSplit", "WindowSampler", "HF_DATASETS", "TEXT_SUFFIXES",
+    "load_source", "resolve_data", "eval_windows", "describe_bytes",
+]
+
+
+class DataError(ValueError):
+    """A data source cannot be used; the message names the path or source."""
+
+
+#: dataset names resolved through Hugging Face ``datasets`` -> (dataset, config)
+HF_DATASETS: dict[str, str] = {
+    "wikitext-2": "wikitext-2-raw-v1",
+    "wikitext-2-raw-v1": "wikitext-2-raw-v1",
+    "wikitext-103": "wikitext-103-raw-v1",
+    "wikitext-103-raw-v1": "wikitext-103-raw-v1",
+}
+
+#: suffixes read from a plain folder of text files ("" = no suffix, e.g. README)
+TEXT_SUFFIXES = frozenset({".txt", ".raw", ".md", ".markdown", ".rst", ".text", ".tokens", ".tex", ".org", ""})
+
+_WIKI_FILES = {"train": "wiki.train.raw", "valid": "wiki.valid.raw", "test": "wiki.test.raw"}
+_WT2_TRAIN_BYTES = 10_940_747          # canonical wiki.train.raw of WikiText-2 (raw, v1)
+_WT103_MIN_TRAIN_BYTES = 100_000_000   # WikiText-103's train split is ~540 MB
+_BINARY_PROBE = 8192                   # bytes inspected for a NUL to call a file binary
+
+
+def describe_bytes(n: int) -> str:
+    """``describe_bytes(1146846) == '1.15 MB (1,146,846 bytes)'``; small counts stay exact."""
+    n = int(n)
+    if n < 1000:
+        return f"{n} byte" + ("" if n == 1 else "s")
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit} ({n:,} bytes)"
+    raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------------------------
+# sources
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ByteCorpus:
+    """The bytes of one source.
+
+    ``splits`` maps a split name to a uint8 array: ``"all"`` for a file or a folder of text
+    files; ``"train"`` / ``"valid"`` / ``"test"`` (those present) for a WikiText raw folder,
+    a train.txt/test.txt folder or a Hugging Face dataset. ``labels`` names where each split
+    came from (used in protocol strings).
+    """
+
+    name: str
+    kind: str  # "file" | "folder" | "wikitext-raw" | "train-test" | "hf"
+    splits: dict[str, np.ndarray]
+    labels: dict[str, str]
+    source: str = ""
+    notes: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(len(a) for a in self.splits.values()))
+
+    def eval_part(self) -> tuple[np.ndarray, str]:
+        """The bytes this source contributes when given as an evaluation source."""
+        for split in ("all", "test", "valid"):
+            if split in self.splits:
+                return self.splits[split], self.labels[split]
+        raise DataError(f"{self.source}: has no test or valid split to evaluate on "
+                        f"(found: {', '.join(sorted(self.splits))})")
+
+
+def _read_file(path: Path) -> np.ndarray:
+    try:
+        arr = np.fromfile(path, dtype=np.uint8)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+    if arr.size == 0:
+        raise DataError(f"{path}: file is empty")
+    return arr
+
+
+def _is_binary(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return b"\x00" in f.read(_BINARY_PROBE)
+
+
+def _load_folder(path: Path) -> ByteCorpus:
+    name = path.name or str(path)
+    wiki = {s: path / f for s, f in _WIKI_FILES.items() if (path / f).is_file()}
+    if wiki:
+        splits = {s: _read_file(p) for s, p in wiki.items()}
+        labels = {s: f"{name}/{p.name}" for s, p in wiki.items()}
+        return ByteCorpus(name, "wikitext-raw", splits, labels, source=str(path))
+    if (path / "train.txt").is_file():
+        tt = {s: path / f"{s}.txt" for s in ("train", "valid", "test") if (path / f"{s}.txt").is_file()}
+        splits = {s: _read_file(p) for s, p in tt.items()}
+        labels = {s: f"{name}/{p.name}" for s, p in tt.items()}
+        return ByteCorpus(name, "train-test", splits, labels, source=str(path))
+
+    try:
+        entries = sorted(path.iterdir(), key=lambda p: p.name)
+    except OSError as e:
+        raise DataError(f"{path}: cannot list folder ({e.strerror or e})") from None
+    parts: list[bytes] = []
+    used: list[str] = []
+    skipped: list[str] = []
+    for p in entries:
+        if p.name.startswith(".") or not p.is_file() or p.suffix.lower() not in TEXT_SUFFIXES:
+            continue
+        try:
+            if _is_binary(p):
+                skipped.append(p.name)
+                continue
+            blob = p.read_bytes()
+        except OSError as e:
+            raise DataError(f"{p}: cannot read ({e.strerror or e})") from None
+        if blob:
+            parts.append(blob)
+            used.append(p.name)
+    if not parts:
+        extra = f"; skipped binary: {', '.join(skipped)}" if skipped else ""
+        raise DataError(f"{path}: folder holds no non-empty text files "
+                        f"(looked for {', '.join(sorted(s for s in TEXT_SUFFIXES if s))} "
+                        f"or no suffix){extra}")
+    arr = np.frombuffer(bytearray(b"\n".join(parts)), dtype=np.uint8)
+    notes = (f"{len(used)} text file(s): {', '.join(used[:5])}{', ...' if len(used) > 5 else ''}",)
+    if skipped:
+        notes += (f"skipped {len(skipped)} binary file(s): {', '.join(skipped)}",)
+    return ByteCorpus(name, "folder", {"all": arr}, {"all": name}, source=str(path), notes=notes)
+
+
+def _load_hf(src: str) -> ByteCorpus:
+    config = HF_DATASETS[src]
+    try:
+        import datasets  # noqa: PLC0415 - optional, only for this source
+    except ImportError:
+        raise DataError(
+            f"{src}: needs the Hugging Face 'datasets' package (pip install 'blocktrain[hf]') "
+            "and a network; offline, pass a folder of WikiText raw files instead "
+            "(e.g. ../shared/data/wikitext-2-raw)") from None
+    try:
+        ds = datasets.load_dataset("wikitext", config)
+    except Exception as e:  # network errors, hub errors, missing cache: all the same to a user
+        raise DataError(
+            f"{src}: could not load Hugging Face dataset wikitext/{config} "
+            f"({type(e).__name__}: {e}); it needs a network or a local cache; offline, pass a "
+            "folder of WikiText raw files instead (e.g. ../shared/data/wikitext-2-raw)") from None
+    splits: dict[str, np.ndarray] = {}
+    labels: dict[str, str] = {}
+    for hf_split, ours in (("train", "train"), ("validation", "valid"), ("test", "test")):
+        if hf_split not in ds:
+            continue
+        text = "".join(ds[hf_split]["text"])  # rows keep their "\n": this reproduces the raw file
+        splits[ours] = np.frombuffer(bytearray(text.encode("utf-8")), dtype=np.uint8)
+        labels[ours] = f"{config}:{hf_split}"
+    for needed in ("train", "test"):
+        if needed not in splits or len(splits[needed]) == 0:
+            raise DataError(f"{src}: Hugging Face wikitext/{config} has no (or an empty) {needed} split")
+    return ByteCorpus(config, "hf", splits, labels, source=src)
+
+
+def load_source(src: str | os.PathLike[str]) -> ByteCorpus:
+    """Read a data source (file, WikiText raw folder, train.txt/test.txt folder, folder of text
+    files, or ``wikitext-2`` / ``wikitext-103``) into a :class:`ByteCorpus`."""
+    text = os.fspath(src)
+    if not text:
+        raise DataError("empty data source (expected a file, a folder, or wikitext-2 / wikitext-103)")
+    path = Path(text).expanduser()
+    if path.is_file():
+        return ByteCorpus(path.name, "file", {"all": _read_file(path)}, {"all": path.name}, source=str(path))
+    if path.is_dir():
+        return _load_folder(path)
+    if text in HF_DATASETS:
+        return _load_hf(text)
+    if path.exists():
+        raise DataError(f"{path}: neither a regular file nor a folder")
+    raise DataError(f"{path}: no such file or folder (and not a dataset name: "
+                    f"{', '.join(sorted(k for k in HF_DATASETS if k.count('-') == 1))})")
+
+
+# --------------------------------------------------------------------------------------------
+# train / eval resolution
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DataSplit:
+    """Train and evaluation bytes, and the protocol to report next to every figure."""
+
+    train: np.ndarray
+    eval: np.ndarray
+    protocol: str
+    description: str
+    train_name: str = ""
+    eval_name: str = ""
+    notes: tuple[str, ...] = field(default=())
+
+
+def _is_gutenberg(path: Path) -> bool:
+    if "gutenberg" in path.resolve().name.lower():
+        return True
+    manifest = path / "MANIFEST.tsv"
+    try:
+        with open(manifest, "rb") as f:
+            header = f.readline().decode("utf-8", "replace").lower().split("\t")
+    except OSError:
+        return False
+    return "ebook" in header and "split" in header
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:g}%"
+
+
+def resolve_data(src: str | os.PathLike[str], eval_src: str | os.PathLike[str] | None = None,
+                 holdout: float = 0.05, *, seq_len: int | None = None) -> DataSplit:
+    """Resolve train and evaluation bytes.
+
+    - WikiText raw folder with ``wiki.train.raw``: train = train, eval = test
+      (protocol ``wt2-raw`` / ``wt103-raw`` by size, else ``wikitext-raw:train/test``);
+    - WikiText raw folder without train: train = ``wiki.valid.raw``, eval = ``wiki.test.raw``,
+      protocol ``wt2-offline``;
+    - folder with ``train.txt``/``test.txt``: ``gutenberg-offline`` for the Gutenberg corpus,
+      else ``train.txt/test.txt``;
+    - ``wikitext-2`` / ``wikitext-103``: HF train / test, ``wikitext-2-raw-v1 (HF train/test)``;
+    - otherwise ``eval_src`` if given, else the LAST ``holdout`` fraction of the bytes.
+
+    ``eval_src``, when given, always replaces the evaluation split
+    (protocol ``train=NAME, eval=NAME``). With ``seq_len``, each split must hold at least one
+    window of ``seq_len + 1`` bytes (a held-out source at least ``2 * seq_len + 2``).
+    """
+    if not (0.0 < holdout < 1.0):
+        raise DataError(f"holdout must be in (0, 1), got {holdout!r}")
+    if seq_len is not None and seq_len < 1:
+        raise DataError(f"seq_len must be >= 1, got {seq_len!r}")
+    window = (seq_len + 1) if seq_len is not None else 2
+    corpus = load_source(src)
+    s, lab = corpus.splits, corpus.labels
+
+    evaluation: np.ndarray | None = None
+    eval_name = ""
+    protocol = ""
+    if corpus.kind == "wikitext-raw":
+        if "train" in s:
+            train, train_name = s["train"], lab["train"]
+            ev = "test" if "test" in s else ("valid" if "valid" in s else None)
+            if ev is not None:
+                evaluation, eval_name = s[ev], lab[ev]
+                if ev == "test" and len(train) == _WT2_TRAIN_BYTES:
+                    protocol = "wt2-raw"
+                elif ev == "test" and len(train) >= _WT103_MIN_TRAIN_BYTES:
+                    protocol = "wt103-raw"
+                else:
+                    protocol = f"wikitext-raw:train/{ev}"
+        elif "valid" in s:
+            train, train_name = s["valid"], lab["valid"]
+            if "test" in s:
+                evaluation, eval_name, protocol = s["test"], lab["test"], "wt2-offline"
+        else:
+            raise DataError(f"{corpus.source}: WikiText folder has only wiki.test.raw; nothing to train on "
+                            "(need wiki.train.raw or wiki.valid.raw)")
+    elif corpus.kind == "train-test":
+        train, train_name = s["train"], lab["train"]
+        if "test" in s:
+            evaluation, eval_name = s["test"], lab["test"]
+            protocol = "gutenberg-offline" if _is_gutenberg(Path(corpus.source)) else "train.txt/test.txt"
+    elif corpus.kind == "hf":
+        train, train_name = s["train"], lab["train"]
+        evaluation, eval_name = s["test"], lab["test"]
+        protocol = f"{corpus.name} (HF train/test)"
+    else:
+        train, train_name = s["all"], lab["all"]
+
+    notes = corpus.notes
+    if eval_src is not None:
+        ec = load_source(eval_src)
+        evaluation, eval_name = ec.eval_part()
+        protocol = f"train={train_name}, eval={eval_name}"
+        notes = notes + ec.notes
+    elif evaluation is None:
+        n = len(train)
+        if n < 2 * window:
+            raise DataError(f"{corpus.source}: too small to hold out an evaluation part: "
+                            f"{describe_bytes(n)}, need at least {2 * window} bytes")
+        n_eval = int(round(n * holdout))
+        if n_eval < window or n - n_eval < window:
+            raise DataError(f"{corpus.source}: holding out {_pct(holdout)} of {describe_bytes(n)} leaves "
+                            f"{n - n_eval} train / {n_eval} eval bytes, need {window} each; "
+                            "give a larger source, a different holdout, or --eval-data")
+        # views (no copy) of the one array
+        train, evaluation = train[: n - n_eval], train[n - n_eval:]
+        protocol = f"{train_name} (last {_pct(holdout)} held out)"
+        eval_name = f"{train_name}[last {_pct(holdout)}]"
+        train_name = f"{train_name}[first {_pct(1 - holdout)}]"
+
+    for what, arr, name in (("train", train, train_name), ("eval", evaluation, eval_name)):
+        if len(arr) < window:
+            raise DataError(f"{name or corpus.source}: {what} data too small: {describe_bytes(len(arr))}, "
+                            f"need at least {window} bytes (one window of seq_len+1)")
+    description = (f"train {train_name}: {describe_bytes(len(train))}; "
+                   f"eval {eval_name}: {describe_bytes(len(evaluation))}")
+    return DataSplit(train, evaluation, protocol, description, train_name, eval_name, notes)
+
+
+# --------------------------------------------------------------------------------------------
+# windows
+# --------------------------------------------------------------------------------------------
+def _as_bytes_array(data: Any, what: str) -> np.ndarray:
+    if isinstance(data, torch.Tensor):
+        data = data.detach().cpu().numpy()
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return np.frombuffer(data, dtype=np.uint8)
+    arr = np.asarray(data)
+    if arr.ndim != 1:
+        raise DataError(f"{what}: expected a 1-D byte array, got shape {arr.shape}")
+    if arr.dtype != np.uint8:
+        if arr.size and (arr.min() < 0 or arr.max() > 255):
+            raise DataError(f"{what}: values outside 0..255")
+        arr = arr.astype(np.uint8)
+    return arr
+
+
+class WindowSampler:
+    """Deterministic random windows of ``seq_len + 1`` bytes (inputs + next-byte targets).
+
+    The stream depends only on ``(seed, worker_id)`` and the number of windows drawn so far;
+    ``state_dict`` / ``load_state_dict`` let a resumed run continue the very same stream.
+    """
+
+    def __init__(self, data: Any, seq_len: int, *, seed: int = 0, worker_id: int = 0) -> None:
+        if seq_len < 1:
+            raise DataError(f"seq_len must be >= 1, got {seq_len}")
+        if seed < 0 or worker_id < 0:
+            raise DataError(f"seed and worker_id must be >= 0, got seed={seed}, worker_id={worker_id}")
+        self.data = _as_bytes_array(data, "WindowSampler")
+        self.seq_len = int(seq_len)
+        self.window = self.seq_len + 1
+        if len(self.data) < self.window:
+            raise DataError(f"WindowSampler: data has {describe_bytes(len(self.data))}, "
+                            f"need at least seq_len+1 = {self.window}")
+        self.seed = int(seed)
+        self.worker_id = int(worker_id)
+        self._rng = np.random.default_rng([self.seed, self.worker_id])
+        self._offsets = np.arange(self.window, dtype=np.int64)
+        self.batches_drawn = 0
+        self.windows_drawn = 0
+
+    def next_starts(self, batch_size: int) -> np.ndarray:
+        if batch_size < 1:
+            raise DataError(f"batch_size must be >= 1, got {batch_size}")
+        starts = self._rng.integers(0, len(self.data) - self.window + 1, size=batch_size, dtype=np.int64)
+        self.batches_drawn += 1
+        self.windows_drawn += int(batch_size)
+        return starts
+
+    def next_batch(self, batch_size: int) -> torch.Tensor:
+        """A ``LongTensor`` of shape ``(batch_size, seq_len + 1)``."""
+        starts = self.next_starts(batch_size)
+        return torch.from_numpy(self.data[starts[:, None] + self._offsets]).long()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "bit_generator": self._rng.bit_generator.state,
+            "batches_drawn": self.batches_drawn,
+            "windows_drawn": self.windows_drawn,
+            "seed": self.seed,
+            "worker_id": self.worker_id,
+            "seq_len": self.seq_len,
+            "n_bytes": int(len(self.data)),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for key, mine in (("seq_len", self.seq_len), ("n_bytes", len(self.data))):
+            if key in state and int(state[key]) != int(mine):
+                raise DataError(f"WindowSampler state is for {key}={state[key]}, this sampler has {mine}")
+        bg = state["bit_generator"]
+        if bg.get("bit_generator") != type(self._rng.bit_generator).__name__:
+            raise DataError(f"WindowSampler state uses bit generator {bg.get('bit_generator')!r}, "
+                            f"expected {type(self._rng.bit_generator).__name__}")
+        self._rng.bit_generator.state = bg
+        self.batches_drawn = int(state.get("batches_drawn", 0))
+        self.windows_drawn = int(state.get("windows_drawn", 0))
+        self.seed = int(state.get("seed", self.seed))
+        self.worker_id = int(state.get("worker_id", self.worker_id))
+
+
+def eval_windows(data: Any, seq_len: int, n_windows: int, seed: int = 0) -> torch.Tensor:
+    """The fixed evaluation set: ``n`` evenly spaced, non-overlapping windows of
+    ``seq_len + 1`` bytes, as a ``LongTensor (n, seq_len + 1)``.
+
+    ``n = min(n_windows, len(data) // (seq_len + 1))``: when the data is too short for
+    ``n_windows`` the result has fewer rows (check ``len(result)``). Windows sit on a grid
+    of spacing ``len(data) // n``; ``seed=0`` starts it at byte 0, another seed shifts the
+    whole grid by a deterministic offset that keeps every window inside the data.
+    """
+    arr = _as_bytes_array(data, "eval_windows")
+    if seq_len < 1 or n_windows < 1:
+        raise DataError(f"eval_windows: seq_len and n_windows must be >= 1, got {seq_len}, {n_windows}")
+    window = seq_len + 1
+    n = min(int(n_windows), len(arr) // window)
+    if n < 1:
+        raise DataError(f"eval_windows: evaluation data has {describe_bytes(len(arr))}, "
+                        f"need at least one window of seq_len+1 = {window} bytes")
+    spacing = len(arr) // n  # >= window
+    offset = 0
+    if seed != 0 and spacing > window:
+        offset = int(np.random.default_rng([int(seed), 0x5EED]).integers(0, spacing - window + 1))
+    starts = offset + spacing * np.arange(n, dtype=np.int64)
+    return torch.from_numpy(arr[starts[:, None] + np.arange(window, dtype=np.int64)]).long()
+
