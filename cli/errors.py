@@ -9,6 +9,14 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, OSError, KeyError, L
                                                 TimeoutError)
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from ..p2p.errors import WireError
+    except ImportError:  # the network stack is not installed
+        return USER_ERRORS
+    return USER_ERRORS + (WireError,)
+
+
 def friendly(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -18,7 +26,7 @@ def friendly(fn):
             raise
         except KeyboardInterrupt:
             raise click.Abort() from None
-        except USER_ERRORS as e:
+        except _user_errors() as e:
             msg = str(e) or type(e).__name__
             raise click.ClickException(msg) from None
     return wrapper

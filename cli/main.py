@@ -3,7 +3,10 @@ from __future__ import annotations
 
 import click
 
+from .bench_resource_cmds import bench_memory_cmd, bench_throughput_cmd
 from .local_cmds import bench_quality, eval_cmd, train_local
+from .node_cmds import export, generate, join, seed, status
+from .swarm_cmd import swarm
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -24,9 +27,17 @@ def bench():
     """Benchmarks that print a table (and JSON with --json)."""
 
 
+cli.add_command(seed)
+cli.add_command(join)
+cli.add_command(generate)
+cli.add_command(status)
+cli.add_command(export)
+cli.add_command(swarm)
 cli.add_command(train_local)
 cli.add_command(eval_cmd)
 bench.add_command(bench_quality)
+bench.add_command(bench_memory_cmd)
+bench.add_command(bench_throughput_cmd)
 
 
 def main() -> None:

@@ -1,1 +1,22 @@
-"""blocktrain.p2p."""
+"""blocktrain.p2p: the wire layer on hivemind (no training logic; imports nothing from node/, cli/, blocks/).
+
+Modules, one concern each:
+
+* ``addresses``  validate user multiaddrs (``parse_multiaddr``, ``parse_initial_peers``, ``host_maddr``)
+* ``identity``   persistent, locked node identity; one RSA key = PeerID + DHT record signer (``NodeIdentity``)
+* ``records``    pydantic models ``RunManifest``, ``BlockAnnouncement``
+* ``dht_schema`` DHT keys/subkeys and the strict schemas every node enforces (``make_validators``)
+* ``discovery``  ``Discovery``: start/join the DHT, manifest, announce/withdraw, holders, chains
+* ``chain``      ``plan_chain`` / ``ChainPlan``: one ranked holder per block with alternates
+* ``hops``       hop request/response types, ``HopLimits`` and request validation
+* ``tensors``    strict tensor codec and streaming reassembly
+* ``rpc_server`` ``BlockRPCServer`` / ``BlockService`` (hivemind ServicerBase, one namespace per block)
+* ``rpc_client`` ``HopClient``: forward hops and block-state downloads with timeouts and typed errors
+* ``traffic``    ``TrafficCounter``: bytes on the wire
+* ``aioloop``    ``LoopThread``: an event loop in a thread for thread-based callers
+* ``errors``     every error type raised here
+* ``microbench`` ``python -m blocktrain.p2p.microbench [--json]``
+* ``_testnode``  a controllable node process for tests and benchmarks
+
+Submodules are not imported here, so ``import blocktrain.p2p`` stays cheap.
+"""

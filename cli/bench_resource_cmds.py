@@ -1,0 +1,157 @@
+"""bt-node bench memory / bench throughput: what one worker pays to train one block vs the reference."""
+from __future__ import annotations
+
+import json
+
+import click
+from rich.table import Table
+
+from ..node.bench_resources import TINY_OVERRIDES, bench_memory, bench_throughput
+from ..node.local_train import pick_device
+from .config_opts import build_config, config_options
+from .errors import friendly
+from .render import emit_json, err_console
+
+
+def _config(config_path, objective, overrides, tiny):
+    if tiny:  # the tiny shape first, so an explicit --set still wins
+        overrides = tuple(f"{k}={json.dumps(v)}" for k, v in TINY_OVERRIDES.items()) + tuple(overrides)
+    return build_config(config_path, objective, overrides)
+
+
+def _f(v, spec=".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _shape(res: dict) -> str:
+    c = res["config"]
+    return (f"{res['device']} ({res['device_name']}), objective {c['objective']}, B={c['n_blocks']} x "
+            f"{c['layers_per_block']} layers, d={c['d_model']}, batch {res['batch_size']}x{res['seq_len']}")
+
+
+def memory_table(res: dict) -> Table:
+    t = Table(title=f"bench memory: one block vs end-to-end reference ({res['steps']} AdamW steps)")
+    t.add_column("")
+    t.add_column("block", justify="right")
+    t.add_column("reference", justify="right")
+    t.add_column("block / ref", justify="right")
+    b, r = res["block"], res["reference"]
+    t.add_row("layers", str(b["layers"]), str(r["layers"]), "")
+    t.add_row("parameters", f"{b['params']:,}", f"{r['params']:,}", _f(b["params"] / r["params"], ".3f"))
+    t.add_row("weights+grads+AdamW (MiB, 16 B/param)", _f(b["param_grad_adam_mib"]),
+              _f(r["param_grad_adam_mib"]), _f(res["ratio_param_grad_adam"], ".3f"))
+    t.add_row("baseline RSS (MiB)", _f(b["baseline_rss_mib"]), _f(r["baseline_rss_mib"]), "")
+    t.add_row("peak RSS, whole process (MiB)", _f(b["peak_rss_mib"]), _f(r["peak_rss_mib"]),
+              _f(res["ratio_peak_rss"], ".3f"))
+    t.add_row("peak RSS above baseline (MiB)", _f(b["peak_increase_mib"]), _f(r["peak_increase_mib"]),
+              _f(res["ratio_peak_increase"], ".3f"))
+    if "glibc_mmap" in res:
+        g = res["glibc_mmap"]
+        t.add_row(f"peak RSS above baseline, {g['env']} (MiB)", _f(g["block"]["peak_increase_mib"]),
+                  _f(g["reference"]["peak_increase_mib"]), _f(g["ratio_peak_increase"], ".3f"))
+    if "ratio_cuda_max_allocated" in res:
+        t.add_row("CUDA max allocated (MiB)", _f(b.get("cuda_max_allocated_mib")),
+                  _f(r.get("cuda_max_allocated_mib")), _f(res["ratio_cuda_max_allocated"], ".3f"))
+    verdict = "meets" if res["meets_target"] else "misses"
+    t.caption = (f"{_shape(res)}. Headline ratio ({res['ratio_kind']}) {_f(res['ratio'], '.3f')} "
+                 f"{verdict} the target <= {res['target_ratio']}. Method: {res['method']}.")
+    return t
+
+
+def throughput_table(res: dict) -> Table:
+    t = Table(title=f"bench throughput: one block step vs one reference step (median of {res['iters']})")
+    t.add_column("")
+    t.add_column("block", justify="right")
+    t.add_column("reference", justify="right")
+    t.add_column("block / ref", justify="right")
+    b, r = res["block"], res["reference"]
+    t.add_row("layers", str(b["layers"]), str(r["layers"]), "")
+    t.add_row("model GFLOP per step", _f(b["flops_per_step"] / 1e9, ".2f"), _f(r["flops_per_step"] / 1e9, ".2f"),
+              _f(1.0 / res["flops_ratio"], ".3f"))
+    t.add_row("step time, median (ms)", _f(b["step_s_median"] * 1e3), _f(r["step_s_median"] * 1e3),
+              _f(b["step_s_median"] / r["step_s_median"], ".3f"))
+    t.add_row("step time, min..max (ms)", f"{b['step_s_min'] * 1e3:.0f}..{b['step_s_max'] * 1e3:.0f}",
+              f"{r['step_s_min'] * 1e3:.0f}..{r['step_s_max'] * 1e3:.0f}", "")
+    t.add_row("tokens/s", _f(b["tokens_per_s"], ",.0f"), _f(r["tokens_per_s"], ",.0f"), _f(res["ratio"], ".2f"))
+    t.add_row("achieved TFLOP/s", _f(b["achieved_tflops"], ".3f"), _f(r["achieved_tflops"], ".3f"), "")
+    if res.get("peak_tflops"):
+        t.add_row("MFU", _f(b["mfu"] and b["mfu"] * 100, ".2f") + " %", _f(r["mfu"] and r["mfu"] * 100, ".2f") + " %", "")
+    verdict = "meets" if res["meets_target"] else "misses"
+    cap = (f"{_shape(res)}, {res['threads']} threads. Throughput ratio {res['ratio']:.2f} {verdict} the "
+           f"target >= {res['target_ratio']:g} (FLOPs ratio, the ideal: {res['flops_ratio']:.2f}).")
+    if res.get("peak_source"):
+        cap += f" Peak: {res['peak_source']}."
+    t.caption = cap
+    return t
+
+
+@click.command("memory")
+@config_options
+@click.option("--steps", type=int, default=None, help="AdamW steps trained per measurement [default: 5; 3 with --tiny].")
+@click.option("--block", "block_index", type=int, default=0, show_default=True, help="Which block to measure.")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto.")
+@click.option("--threads", type=int, default=None,
+              help="CPU threads for torch [default: torch's own choice; 1 with --tiny].")
+@click.option("--glibc-mmap", is_flag=True,
+              help="CPU: measure again with MALLOC_MMAP_THRESHOLD_=65536, so RSS tracks live tensors "
+                   "rather than glibc's caching of freed memory.")
+@click.option("--tiny", is_flag=True, help="A tiny shape (B=4, 2 layers, d=64, batch 8x64, 1 thread), well under a minute.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@friendly
+def bench_memory_cmd(config_path, objective, overrides, steps, block_index, device, threads, glibc_mmap, tiny,
+                     as_json):
+    """Peak training memory of ONE block vs the end-to-end reference (B x layers_per_block layers).
+
+    \b
+    Each is trained for --steps AdamW steps at the same batch and seq_len in a fresh process.
+    CPU: peak RSS of the whole process and peak RSS above a warm-runtime baseline; CUDA:
+    torch.cuda.max_memory_allocated.
+    Example:
+      bt-node bench memory --json
+    """
+    cfg = _config(config_path, objective, overrides, tiny)
+    steps = (3 if tiny else 5) if steps is None else steps
+    threads = (1 if tiny else None) if threads is None else threads
+    res = bench_memory(cfg, pick_device(device), steps=steps, block_index=block_index, threads=threads,
+                       glibc_mmap=glibc_mmap)
+    if as_json:
+        emit_json(res)
+    else:
+        err_console.print(memory_table(res))
+        click.echo(f"memory ratio block/reference = {res['ratio']:.3f} ({res['ratio_kind']})")
+
+
+@click.command("throughput")
+@config_options
+@click.option("--warmup", type=int, default=None, help="Untimed steps of each first [default: 3; 2 with --tiny].")
+@click.option("--iters", type=int, default=None, help="Timed steps of each, median taken [default: 10; 6 with --tiny].")
+@click.option("--block", "block_index", type=int, default=0, show_default=True, help="Which block to time.")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda or auto.")
+@click.option("--peak-tflops", type=float, default=None,
+              help="Device peak for MFU (default: an assumed dense bf16 peak by CUDA device name).")
+@click.option("--threads", type=int, default=None,
+              help="CPU threads for torch [default: torch's own choice; 1 with --tiny].")
+@click.option("--tiny", is_flag=True, help="A tiny shape (B=4, 2 layers, d=64, batch 8x64, 1 thread), well under a minute.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@friendly
+def bench_throughput_cmd(config_path, objective, overrides, warmup, iters, block_index, device, peak_tflops,
+                         threads, tiny, as_json):
+    """Tokens/s of ONE block's optimizer step vs one end-to-end reference step, same batch.
+
+    \b
+    Interleaved in one process after warm-up; median of --iters. On CUDA also MFU against an
+    assumed device peak.
+    Example:
+      bt-node bench throughput --json
+    """
+    cfg = _config(config_path, objective, overrides, tiny)
+    warmup = (2 if tiny else 3) if warmup is None else warmup
+    iters = (6 if tiny else 10) if iters is None else iters
+    threads = (1 if tiny else None) if threads is None else threads
+    res = bench_throughput(cfg, pick_device(device), warmup=warmup, iters=iters, block_index=block_index,
+                           peak_tflops=peak_tflops, threads=threads)
+    if as_json:
+        emit_json(res)
+    else:
+        err_console.print(throughput_table(res))
+        click.echo(f"throughput ratio block/reference = {res['ratio']:.2f}")

@@ -1,0 +1,281 @@
+"""bt-node seed / join / generate / status / export: the network commands (thin; logic in node/)."""
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.live import Live
+from rich.table import Table
+
+from ..node.options import NodeOptions
+from .config_opts import build_config, config_options
+from .errors import friendly
+from .render import emit_json, err_console
+
+
+def node_options(fn):
+    opts = [
+        click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
+                     help="Where this node keeps its identity and block checkpoints "
+                          "(default: ./bt-node-<run>)."),
+        click.option("--block", type=int, default=None, help="Hold this block (default: the least-held one)."),
+        click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True),
+        click.option("--host", default="127.0.0.1", show_default=True, help="Interface for p2p traffic."),
+        click.option("--port", type=int, default=0, show_default=True, help="TCP port for p2p (0: any free)."),
+        click.option("--announce-host", default=None, help="Public IP to announce (behind NAT/port forward)."),
+        click.option("--http-port", type=int, default=None, help="Serve the HTTP API and web page here."),
+        click.option("--http-host", default="127.0.0.1", show_default=True),
+        click.option("--average-every", type=int, default=20, show_default=True,
+                     help="Local steps between averaging rounds with same-block peers."),
+        click.option("--average-period", type=float, default=10.0, show_default=True,
+                     help="Seconds between averaging rounds while not training (after --max-steps)."),
+        click.option("--checkpoint-every", type=int, default=100, show_default=True),
+        click.option("--max-steps", type=int, default=None, help="Stop training after N steps; keep serving."),
+        click.option("--seed", "sample_seed", type=int, default=0, show_default=True),
+        click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
+                     help="Write a JSON line with peer id, addresses and ports once serving (for scripts)."),
+        click.option("--quiet", is_flag=True, help="No live progress line."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def _run_node(opts: NodeOptions, ready_file: str | None, quiet: bool, banner: str) -> None:
+    from ..node.node import Node   # imports hivemind: only for network commands
+
+    node = Node(opts)
+
+    def on_signal(signum, _frame):
+        node.stop_event.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        node.start()
+        maddrs = node.discovery.visible_maddrs()
+        info = {"peer_id": node.peer_id, "maddrs": maddrs, "run_id": node.run_id, "block": node.block_index,
+                "http_port": node.http.port if node.http else None, "data": node.data_used,
+                "resumed": node.resumed, "downloaded_state": node.downloaded is not None}
+        if ready_file:
+            tmp = Path(ready_file).with_suffix(".tmp")
+            tmp.write_text(json.dumps(info) + "\n")
+            tmp.replace(ready_file)
+        err_console.print(f"[bold green]{banner}[/] run [bold]{node.run_id}[/], block {node.block_index} of "
+                          f"{node.cfg.n_blocks}; data: {node.data_used}")
+        err_console.print("Others join with:\n  bt-node join --initial-peers " + (maddrs[0] if maddrs else "?"))
+        if node.http:
+            err_console.print(f"HTTP API and web page: http://{opts.http_host}:{node.http.port}/")
+        if quiet or not err_console.is_terminal:
+            node.wait()
+        else:
+            with Live(_progress(node), console=err_console, refresh_per_second=1, transient=True) as live:
+                while not node.stop_event.wait(1.0):
+                    live.update(_progress(node))
+    finally:
+        node.stop()
+    if node.errors:
+        raise click.ClickException("node stopped after an error: " + node.errors[-1])
+
+
+def _progress(node) -> Table:
+    t = node.trainer
+    s = node.averager.stats if node.averager else None
+    peers = 0
+    try:
+        peers = len([h for h in node.discovery.list_holders(node.run_id).get(node.block_index, [])
+                     if h.peer_id != node.peer_id and h.is_live]) if node.discovery else 0
+    except Exception:
+        pass
+    last = "-" if not s or not s.last_round_time else f"{time.time() - s.last_round_time:.0f}s ago ({s.last_verdict})"
+    table = Table.grid(padding=(0, 2))
+    loss = t.recent_loss() if t else None
+    table.add_row(f"step {t.step if t else 0}", f"loss {loss:.3f}" if loss is not None else "loss -",
+                  f"{t.throughput() if t else 0:.1f} samples/s", f"peers of block {node.block_index}: {peers}",
+                  f"rounds ok {s.succeeded if s else 0}/{s.attempted if s else 0}", f"last round {last}")
+    return table
+
+
+def _common(checkpoint_dir, run_id, **kw) -> NodeOptions:
+    d = checkpoint_dir or f"bt-node-{run_id or 'run'}"
+    return NodeOptions(checkpoint_dir=Path(d), run_id=run_id, **kw)
+
+
+@click.command("seed")
+@click.option("--run-id", required=True, help="Name of the new run (letters, digits, '_' or '-').")
+@click.option("--data", default="auto", show_default=True,
+              help="Data spec every node trains on: a path or wikitext-2/-103; 'auto' = shared WikiText-2 "
+                   "if present, else HF wikitext-2, else the Python standard library's text.")
+@config_options
+@node_options
+@friendly
+def seed(run_id, data, config_path, objective, overrides, checkpoint_dir, block, device, host, port,
+         announce_host, http_port, http_host, average_every, average_period, checkpoint_every, max_steps,
+         sample_seed, ready_file, quiet):
+    """Start the first node of a NEW run: publish its manifest, hold a block, print the address.
+
+    \b
+    Example:
+      bt-node seed --run-id demo --config run.toml --port 31337 --http-port 8000
+    """
+    cfg = build_config(config_path, objective, overrides)
+    opts = _common(checkpoint_dir, run_id, config=cfg, data=data, block=0 if block is None else block,
+                   device=device, host=host, port=port, announce_host=announce_host, http_port=http_port,
+                   http_host=http_host, average_every=average_every, average_period=average_period,
+                   checkpoint_every=checkpoint_every, max_steps=max_steps, seed=sample_seed)
+    _run_node(opts, ready_file, quiet, "Seeded")
+
+
+@click.command("join")
+@click.option("--initial-peers", multiple=True, required=True, metavar="MULTIADDR",
+              help="Multiaddr of any node of the run (repeatable).")
+@click.option("--run-id", default=None, help="Which run (needed only if several are live).")
+@click.option("--data", default=None, help="Train on this local data instead of the run's data spec.")
+@node_options
+@friendly
+def join(initial_peers, run_id, data, checkpoint_dir, block, device, host, port, announce_host, http_port,
+         http_host, average_every, average_period, checkpoint_every, max_steps, sample_seed, ready_file, quiet):
+    """Join a run: pick the least-held block, download its current state, train, average and serve.
+
+    \b
+    Example:
+      bt-node join --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...
+    """
+    from ..p2p.addresses import parse_initial_peers
+    peers = parse_initial_peers(list(initial_peers))
+    opts = _common(checkpoint_dir, run_id, initial_peers=peers, data=data, block=block, device=device,
+                   host=host, port=port, announce_host=announce_host, http_port=http_port, http_host=http_host,
+                   average_every=average_every, average_period=average_period,
+                   checkpoint_every=checkpoint_every, max_steps=max_steps, seed=sample_seed)
+    _run_node(opts, ready_file, quiet, "Joined")
+
+
+def _http_call(url: str, path: str, body: dict | None = None, timeout: float = 120.0) -> dict:
+    import httpx
+    try:
+        r = httpx.post(url.rstrip("/") + path, json=body, timeout=timeout) if body is not None else \
+            httpx.get(url.rstrip("/") + path, timeout=timeout)
+    except httpx.HTTPError as e:
+        raise ConnectionError(f"cannot reach {url}: {e}") from None
+    if r.status_code >= 400:
+        try:
+            detail = r.json().get("detail")
+        except ValueError:
+            detail = r.text
+        raise RuntimeError(f"{url} answered {r.status_code}: {detail}")
+    return r.json()
+
+
+def where_options(fn):
+    fn = click.option("--run-id", default=None, help="Which run (needed only if several are live).")(fn)
+    fn = click.option("--http", "http_url", default=None, help="Ask this node's HTTP API instead (URL).")(fn)
+    fn = click.option("--initial-peers", multiple=True, metavar="MULTIADDR", help="Any node of the run.")(fn)
+    return fn
+
+
+def _need_where(initial_peers, http_url):
+    if bool(initial_peers) == bool(http_url):
+        raise click.UsageError("give exactly one of --initial-peers MULTIADDR or --http URL")
+
+
+@click.command("generate")
+@click.argument("prompt")
+@where_options
+@click.option("--mode", type=click.Choice(["one_sweep", "autoregressive"]), default="one_sweep", show_default=True)
+@click.option("--max-bytes", type=click.IntRange(1, 1024), default=64, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0, 2), default=0.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def generate(prompt, initial_peers, http_url, run_id, mode, max_bytes, seed, temperature, as_json):
+    """Generate text through the chain of blocks; prints the text and the route taken.
+
+    \b
+    Examples:
+      bt-node generate "The history of" --http http://127.0.0.1:8000
+      bt-node generate "The history of" --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...
+    """
+    _need_where(initial_peers, http_url)
+    if http_url:
+        res = _http_call(http_url, "/v1/generate", {"prompt": prompt, "max_bytes": max_bytes, "mode": mode,
+                                                    "seed": seed, "temperature": temperature})
+    else:
+        from ..node.client import NetworkClient
+        from ..p2p.addresses import parse_initial_peers
+        c = NetworkClient(parse_initial_peers(list(initial_peers)), run_id)
+        try:
+            res = c.generate(prompt.encode(), max_bytes, mode, seed=seed, temperature=temperature)
+            res.pop("bytes", None)
+        finally:
+            c.close()
+    if as_json:
+        emit_json(res)
+        return
+    click.echo(prompt + res["text"])
+    route = " -> ".join(f"b{h['block']}@{h['peer'][-8:]}" for h in res["route"])
+    err_console.print(f"[dim]route: {route}; mode {res['mode']}; traversals {res['traversals']}[/]")
+
+
+@click.command("status")
+@where_options
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def status(initial_peers, http_url, run_id, as_json):
+    """Print a table of blocks x holders (state, step, throughput)."""
+    _need_where(initial_peers, http_url)
+    if http_url:
+        st = _http_call(http_url, "/v1/status")
+        blocks, run = st["blocks"], st["run"]
+    else:
+        from ..node.client import NetworkClient
+        from ..p2p.addresses import parse_initial_peers
+        c = NetworkClient(parse_initial_peers(list(initial_peers)), run_id)
+        try:
+            hs = c.holders()
+            run = {"run_id": c.run_id, "config_hash": c.cfg.config_hash, "objective": c.cfg.objective,
+                   "n_blocks": c.cfg.n_blocks}
+            blocks = [{"block": b, "holders": [h.model_dump() for h in hs.get(b, [])]}
+                      for b in range(c.cfg.n_blocks)]
+        finally:
+            c.close()
+    if as_json:
+        emit_json({"run": run, "blocks": blocks})
+        return
+    t = Table(title=f"run {run['run_id']} ({run['objective']}, config {run['config_hash']})")
+    for col in ("block", "holder", "state", "step", "samples/s"):
+        t.add_column(col)
+    for blk in blocks:
+        if not blk["holders"]:
+            t.add_row(str(blk["block"]), "[red]none[/]", "", "", "")
+        for h in blk["holders"]:
+            t.add_row(str(blk["block"]), h["peer_id"][-12:], h["state"], str(h["step"]), f"{h['throughput']:.1f}")
+    err_console.print(t)
+    missing = [b["block"] for b in blocks if not b["holders"]]
+    click.echo(f"{len(blocks) - len(missing)}/{len(blocks)} blocks held" +
+               (f"; no holder for {missing}" if missing else ""))
+
+
+@click.command("export")
+@click.option("--initial-peers", multiple=True, required=True, metavar="MULTIADDR")
+@click.option("--run-id", default=None)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write.")
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def export(initial_peers, run_id, out, as_json):
+    """Pull every block from the network into one directory (safetensors per block + config.json),
+    which `bt-node eval --checkpoint DIR` accepts."""
+    from ..node.client import NetworkClient
+    from ..p2p.addresses import parse_initial_peers
+    c = NetworkClient(parse_initial_peers(list(initial_peers)), run_id)
+    try:
+        res = c.export(out)
+    finally:
+        c.close()
+    if as_json:
+        emit_json(res)
+    else:
+        click.echo(f"exported {len(res['blocks'])} blocks of run {res['run_id']} to {res['out']}")

@@ -1,0 +1,428 @@
+"""Worker resources: peak training memory and step throughput of ONE block vs the end-to-end reference.
+
+``bench memory``
+    Each measurement (one block, or the full-depth reference) runs in a FRESH Python process
+    (``python -m blocktrain.node.bench_resources --measure block|reference ...``) so neither
+    sees the other's allocations. The process imports torch and blocktrain, runs one warm-up
+    step on a throwaway model of the same kind with a few KiB of parameters (the first optimizer
+    step lazily imports torch._dynamo and starts thread pools: ~90 MiB that any torch process
+    pays), then records its RSS (the *baseline*: interpreter + warm torch runtime, no model of
+    the measured size yet; ``after_import_rss_mib`` is reported too), builds the module and its
+    AdamW optimizer, and trains ``steps`` optimizer steps on synthetic random bytes of the
+    configured batch and seq_len (memory does not depend on the bytes' values), so parameters,
+    gradients, AdamW state and the activations of forward+backward all count. Reported:
+
+    * ``peak_rss_mib``: the process's peak resident set (``getrusage(RUSAGE_SELF).ru_maxrss``),
+      torch's own footprint included;
+    * ``peak_increase_mib``: that peak minus the baseline, i.e. what training the module adds
+      on top of an idle torch process (the figure a worker pays per block);
+    * on CUDA, ``torch.cuda.max_memory_allocated`` over the whole run (the baseline there is 0).
+
+    The ratio block/reference is given for each.
+
+``bench throughput``
+    One block step (its local objective's loss, backward, clip, AdamW) and one reference step
+    (next-byte CE, same batch) are timed in the SAME process, interleaved (block, reference,
+    reference, block, ...) after a warm-up, and the median step time of each gives tokens/s and
+    the ratio block/reference. Model FLOPs come from ``blocks.flops.train_flops_per_step``; on
+    CUDA, MFU is achieved FLOP/s over an ASSUMED device peak (dense bf16, from a small table by
+    device name, or ``--peak-tflops``).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ..blocks.config import ModelConfig
+from ..blocks.flops import train_flops_per_step
+from ..blocks.objectives import get_objective
+from ..blocks.reference import ReferenceLM
+from ..blocks.train import make_optimizer, optimizer_step, reference_loss_fn
+
+MiB = 1024.0 * 1024.0
+# Optional second CPU measurement: fixed glibc mmap threshold, so RSS follows live tensors.
+GLIBC_MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+MEMORY_TARGET = 0.35       # issue 2, target 2: block peak memory <= 0.35x the reference's
+THROUGHPUT_TARGET = 3.0    # issue 2, target 2: block-step throughput >= 3x the reference step's
+
+# A small config for --tiny (well under a minute on 2 CPU cores); keeps B=4 and 2 layers per block
+# so the block/reference ratios have the same structure as the default config.
+TINY_OVERRIDES: dict[str, Any] = dict(d_model=64, n_heads=2, layers_per_block=2, n_blocks=4, seq_len=64,
+                                      target_dim=16, batch_size=8, warmup_steps=0)
+
+# Dense bf16 tensor-core peaks, TFLOP/s, from vendor data sheets (no sparsity). An ASSUMPTION:
+# clocks, power limits and the SKU's form factor change the real figure. First match wins.
+PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
+    ("H200", 989.0),
+    ("H100 PCIe", 756.0),
+    ("H100", 989.0),
+    ("GH200", 989.0),
+    ("B200", 2250.0),
+    ("A100", 312.0),
+    ("L40S", 362.0),
+    ("L4", 121.0),
+    ("A10G", 70.0),
+    ("RTX 4090", 165.0),
+]
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def _rss_now_bytes() -> int | None:
+    """Current resident set size, from /proc (Linux); None where unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _peak_rss_bytes() -> int:
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r) if sys.platform == "darwin" else int(r) * 1024  # bytes on macOS, KiB on Linux
+
+
+def peak_tflops_for(device_name: str) -> tuple[float | None, str]:
+    for key, tf in PEAK_BF16_TFLOPS:
+        if key.lower() in device_name.lower():
+            return tf, f"assumed dense bf16 peak of '{key}' ({tf:g} TFLOP/s, vendor data sheet)"
+    return None, f"no peak known for '{device_name}' (pass --peak-tflops)"
+
+
+def tiny_config(cfg: ModelConfig | None = None) -> ModelConfig:
+    base = (cfg or ModelConfig()).to_dict()
+    base.update(TINY_OVERRIDES)
+    return ModelConfig.from_dict(base, source="--tiny")
+
+
+def primer_config(cfg: ModelConfig) -> ModelConfig:
+    """A minute model of the same kind, used to warm the runtime before the memory baseline."""
+    seq = min(cfg.seq_len, 8)
+    return cfg.replace(d_model=8, n_heads=1, layers_per_block=1, seq_len=seq, target_dim=4, batch_size=1,
+                       chunk_len=min(cfg.chunk_len, seq))
+
+
+def _n_params(m: torch.nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters() if p.requires_grad)
+
+
+class _Trainee:
+    """One module with its optimizer and a ready-made step on a fixed synthetic batch."""
+
+    def __init__(self, which: str, cfg: ModelConfig, device: torch.device, block_index: int = 0,
+                 seed: int = 0):
+        if which not in ("block", "reference"):
+            raise ValueError(f"unknown module {which!r}: use block or reference")
+        if not 0 <= block_index < cfg.n_blocks:
+            raise ValueError(f"--block {block_index} out of range [0, {cfg.n_blocks})")
+        torch.manual_seed(cfg.init_seed)
+        self.which, self.cfg, self.device = which, cfg, device
+        g = torch.Generator().manual_seed(seed)
+        self.windows = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1),
+                                     generator=g).to(device)
+        if which == "block":
+            self.objective = get_objective(cfg)
+            self.module = self.objective.build_block(block_index).to(device)
+            self.layers = cfg.layers_per_block
+            gen = torch.Generator().manual_seed(seed + 1)
+            self.loss_fn = lambda: self.objective.local_loss(self.module, block_index, self.windows, gen)
+        else:
+            self.module = ReferenceLM(cfg).to(device)
+            self.layers = cfg.reference_layers
+            self.loss_fn = reference_loss_fn(self.module, self.windows)
+        self.opt = make_optimizer(self.module, cfg)
+        self.steps = 0
+
+    def step(self) -> dict:
+        out = optimizer_step(self.module, self.opt, self.cfg, self.steps, self.loss_fn)
+        self.steps += 1
+        return out
+
+    def describe(self) -> dict:
+        return {"layers": self.layers, "params": _n_params(self.module),
+                "flops_per_step": train_flops_per_step(self.module, self.cfg.batch_size, self.cfg.seq_len)}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} CPUs"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine() or 'cpu'}, {os.cpu_count()} CPUs"
+
+
+def set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def _config_summary(cfg: ModelConfig) -> dict:
+    keys = ("objective", "d_model", "n_heads", "layers_per_block", "n_blocks", "seq_len", "target_dim",
+            "batch_size", "sigma_min", "sigma_max")
+    return {k: getattr(cfg, k) for k in keys} | {"config_hash": cfg.config_hash}
+
+
+# -- memory: the child process ----------------------------------------------------------------
+def measure_memory_here(cfg: ModelConfig, which: str, *, steps: int, device: torch.device,
+                        block_index: int = 0) -> dict:
+    """Run in a fresh process: baseline RSS, build, train ``steps`` steps, peak RSS (and CUDA peak)."""
+    gc.collect()
+    after_import = _rss_now_bytes()
+    # Warm the runtime on a throwaway model of the same kind (a few KiB of parameters): the first
+    # optimizer step lazily imports ~800 modules (torch._dynamo, via torch.optim) and starts thread
+    # pools and the autograd engine, ~100 MiB that any torch process pays whatever it trains.
+    _Trainee(which, primer_config(cfg), device).step()
+    gc.collect()
+    baseline = _rss_now_bytes()
+    baseline_src = "VmRSS after imports and a 1-step warm-up on a throwaway tiny model"
+    if baseline is None:
+        baseline, baseline_src = _peak_rss_bytes(), "ru_maxrss after imports and warm-up"
+    if device.type == "cuda":
+        torch.cuda.init()
+        torch.cuda.reset_peak_memory_stats(device)
+    tr = _Trainee(which, cfg, device, block_index)
+    after_build = _rss_now_bytes()
+    losses = []
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        losses.append(tr.step()["loss"])
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    peak = _peak_rss_bytes()
+    n = _n_params(tr.module)
+    out = {
+        "module": which, **tr.describe(), "steps": steps, "seconds": round(seconds, 3),
+        "threads": torch.get_num_threads(),
+        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+        "after_import_rss_mib": None if after_import is None else after_import / MiB,
+        "baseline_rss_mib": baseline / MiB, "baseline": baseline_src,
+        "after_build_rss_mib": None if after_build is None else after_build / MiB,
+        "peak_rss_mib": peak / MiB, "peak_increase_mib": (peak - baseline) / MiB,
+        # fp32 weights + grads + AdamW exp_avg + exp_avg_sq: 16 bytes per parameter
+        "param_grad_adam_mib": 16.0 * n / MiB,
+    }
+    if device.type == "cuda":
+        out["cuda_max_allocated_mib"] = torch.cuda.max_memory_allocated(device) / MiB
+        out["cuda_max_reserved_mib"] = torch.cuda.max_memory_reserved(device) / MiB
+    return out
+
+
+def _child_cmd(cfg: ModelConfig, which: str, *, steps: int, device: torch.device, block_index: int,
+               threads: int | None) -> list[str]:
+    cmd = [sys.executable, "-m", "blocktrain.node.bench_resources", "--measure", which,
+           "--config-json", cfg.to_json(), "--steps", str(steps), "--device", device.type,
+           "--block", str(block_index)]
+    if threads is not None:
+        cmd += ["--threads", str(threads)]
+    return cmd
+
+
+def _measure_in_subprocesses(cfg: ModelConfig, *, steps: int, device: torch.device, block_index: int,
+                             timeout: float, threads: int | None,
+                             env: dict[str, str] | None = None) -> dict[str, dict]:
+    """Block and reference, each in its own fresh process. On CPU both run at once (RSS is per
+    process, so they cannot see each other's memory; this halves the wall time); on CUDA one
+    after the other, since max_memory_allocated is per process too but the device is shared."""
+    names = ("block", "reference")
+    procs: dict[str, subprocess.Popen] = {}
+    out: dict[str, dict] = {}
+
+    def start(which: str) -> None:
+        procs[which] = subprocess.Popen(
+            _child_cmd(cfg, which, steps=steps, device=device, block_index=block_index, threads=threads),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+
+    def finish(which: str) -> None:
+        p = procs[which]
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs.values():
+                if q.poll() is None:
+                    q.kill()
+                    q.communicate()
+            raise RuntimeError(f"memory measurement of the {which} took more than {timeout:.0f} s") from None
+        if p.returncode != 0:
+            tail = (stderr or stdout).strip().splitlines()[-5:]
+            raise RuntimeError(f"memory measurement of the {which} failed (exit {p.returncode}): "
+                               + " | ".join(tail))
+        try:
+            out[which] = json.loads(stdout.strip().splitlines()[-1])
+        except (json.JSONDecodeError, IndexError):
+            raise RuntimeError(f"memory measurement of the {which} printed no JSON: {stdout[-300:]!r}") from None
+
+    try:
+        if device.type == "cuda":
+            for w in names:
+                start(w)
+                finish(w)
+        else:
+            for w in names:
+                start(w)
+            for w in names:
+                finish(w)
+    finally:
+        for q in procs.values():
+            if q.poll() is None:
+                q.kill()
+                q.communicate()
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b <= 0:
+        return None
+    return a / b
+
+
+def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, block_index: int = 0,
+                 timeout: float = 900.0, threads: int | None = None, glibc_mmap: bool = False) -> dict:
+    """Peak training memory of one block vs the full-depth reference, each in a fresh process."""
+    if steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    if not 0 <= block_index < cfg.n_blocks:
+        raise ValueError(f"--block {block_index} out of range [0, {cfg.n_blocks})")
+    m = _measure_in_subprocesses(cfg, steps=steps, device=device, block_index=block_index, timeout=timeout,
+                                 threads=threads)
+    block, ref = m["block"], m["reference"]
+    res: dict[str, Any] = {
+        "bench": "memory", "device": device.type, "device_name": _device_name(device),
+        "torch": torch.__version__, "config": _config_summary(cfg), "block_index": block_index,
+        "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "steps": steps,
+        "threads": block.get("threads"),
+        "method": ("each module trained in its own fresh process on synthetic bytes for `steps` AdamW steps; "
+                   "peak_rss = getrusage ru_maxrss of the whole process; peak_increase = peak_rss minus "
+                   "the baseline VmRSS taken after importing torch+blocktrain and one warm-up step on a "
+                   "throwaway tiny model of the same kind (torch's own footprint, lazy imports and "
+                   "thread pools excluded)"
+                   + ("; cuda = torch.cuda.max_memory_allocated" if device.type == "cuda" else "")),
+        "block": block, "reference": ref,
+        "ratio_peak_rss": _ratio(block["peak_rss_mib"], ref["peak_rss_mib"]),
+        "ratio_peak_increase": _ratio(block["peak_increase_mib"], ref["peak_increase_mib"]),
+        "ratio_param_grad_adam": _ratio(block["param_grad_adam_mib"], ref["param_grad_adam_mib"]),
+        "target_ratio": MEMORY_TARGET,
+    }
+    if device.type == "cuda":
+        res["ratio_cuda_max_allocated"] = _ratio(block.get("cuda_max_allocated_mib"),
+                                                 ref.get("cuda_max_allocated_mib"))
+        res["ratio"] = res["ratio_cuda_max_allocated"]
+        res["ratio_kind"] = "cuda_max_allocated"
+    else:
+        res["ratio"] = res["ratio_peak_increase"]
+        res["ratio_kind"] = "peak_increase"
+    res["meets_target"] = res["ratio"] is not None and res["ratio"] <= MEMORY_TARGET
+    if glibc_mmap:
+        m = _measure_in_subprocesses(cfg, steps=steps, device=device, block_index=block_index,
+                                     timeout=timeout, threads=threads, env=GLIBC_MMAP_ENV)
+        res["glibc_mmap"] = {
+            "env": " ".join(f"{k}={v}" for k, v in GLIBC_MMAP_ENV.items()),
+            "note": ("glibc told to serve every allocation >= 64 KiB with mmap and unmap it on free "
+                     "(no dynamic threshold), so freed tensors leave the RSS: peak RSS then tracks "
+                     "live tensor memory rather than allocator caching"),
+            "block": m["block"], "reference": m["reference"],
+            "ratio_peak_rss": _ratio(m["block"]["peak_rss_mib"], m["reference"]["peak_rss_mib"]),
+            "ratio_peak_increase": _ratio(m["block"]["peak_increase_mib"], m["reference"]["peak_increase_mib"]),
+        }
+    return res
+
+
+# -- throughput ---------------------------------------------------------------------------------
+def bench_throughput(cfg: ModelConfig, device: torch.device, *, warmup: int = 3, iters: int = 10,
+                     block_index: int = 0, peak_tflops: float | None = None,
+                     threads: int | None = None) -> dict:
+    """Tokens/s of one block's optimizer step vs one reference step, interleaved, median of ``iters``."""
+    if warmup < 0 or iters < 1:
+        raise ValueError(f"need --warmup >= 0 and --iters >= 1, got {warmup}, {iters}")
+    set_threads(threads)
+    trainees = {w: _Trainee(w, cfg, device, block_index) for w in ("block", "reference")}
+    for _ in range(warmup):
+        for tr in trainees.values():
+            tr.step()
+    _sync(device)
+    times: dict[str, list[float]] = {"block": [], "reference": []}
+    order = ["block", "reference"]
+    for i in range(iters):
+        for w in (order if i % 2 == 0 else order[::-1]):   # ABBA: no systematic first/second bias
+            _sync(device)
+            t0 = time.perf_counter()
+            trainees[w].step()
+            _sync(device)
+            times[w].append(time.perf_counter() - t0)
+    tokens = cfg.batch_size * cfg.seq_len
+    name = _device_name(device)
+    peak_src = None
+    if peak_tflops is not None:
+        peak_src = f"given with --peak-tflops ({peak_tflops:g} TFLOP/s)"
+    elif device.type == "cuda":
+        peak_tflops, peak_src = peak_tflops_for(name)
+    out: dict[str, Any] = {
+        "bench": "throughput", "device": device.type, "device_name": name, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "config": _config_summary(cfg), "block_index": block_index,
+        "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "tokens_per_step": tokens,
+        "warmup": warmup, "iters": iters,
+        "method": ("block step and reference step (same synthetic batch) timed interleaved ABBA in one "
+                   "process after warm-up; median step time; tokens/s = batch*seq_len/median"),
+        "peak_tflops": peak_tflops, "peak_source": peak_src,
+    }
+    for w, tr in trainees.items():
+        med = statistics.median(times[w])
+        d = tr.describe()
+        achieved = d["flops_per_step"] / med
+        out[w] = {**d, "step_s_median": med, "step_s_min": min(times[w]), "step_s_max": max(times[w]),
+                  "tokens_per_s": tokens / med, "achieved_tflops": achieved / 1e12,
+                  "mfu": (achieved / (peak_tflops * 1e12)) if peak_tflops else None}
+    out["ratio"] = out["block"]["tokens_per_s"] / out["reference"]["tokens_per_s"]
+    out["flops_ratio"] = out["reference"]["flops_per_step"] / out["block"]["flops_per_step"]
+    out["target_ratio"] = THROUGHPUT_TARGET
+    out["meets_target"] = out["ratio"] >= THROUGHPUT_TARGET
+    return out
+
+
+# -- child entry point ----------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m blocktrain.node.bench_resources",
+                                 description="One memory measurement in this (fresh) process; prints JSON.")
+    ap.add_argument("--measure", choices=["block", "reference"], required=True)
+    ap.add_argument("--config-json", required=True)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--block", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args(argv)
+    set_threads(a.threads)
+    cfg = ModelConfig.from_dict(json.loads(a.config_json), source="--config-json")
+    res = measure_memory_here(cfg, a.measure, steps=a.steps, device=torch.device(a.device),
+                              block_index=a.block)
+    sys.stdout.write(json.dumps(res) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

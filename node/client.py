@@ -1,0 +1,113 @@
+"""A network client without a block: joins the DHT (client mode), reads the run's manifest, and
+routes generation/scoring/export through live holders. Used by ``bt-node generate``, ``status``,
+``export``, the swarm driver and the benchmarks."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from ..blocks import checkpoint as ckpt
+from ..blocks.config import ModelConfig
+from ..blocks.data import eval_windows
+from ..blocks.objectives import get_objective
+from ..p2p.aioloop import LoopThread
+from ..p2p.discovery import Discovery
+from ..p2p.errors import RunNotFoundError
+from ..p2p.rpc_client import HopClient
+from .routing import BanList, RouteLog, Router
+
+
+class NetworkClient:
+    def __init__(self, initial_peers: list[str], run_id: str | None = None, *, hop_timeout: float = 20.0):
+        if not initial_peers:
+            raise ValueError("give at least one --initial-peers multiaddr")
+        self.discovery = Discovery.start(initial_peers=initial_peers, client_mode=True,
+                                         run_ids=[run_id] if run_id else [])
+        self.loop: LoopThread | None = None
+        try:
+            self.run_id = run_id or self._only_run()
+            self.discovery.follow_run(self.run_id)
+            m = self.discovery.get_manifest(self.run_id)
+            if m is None:
+                raise RunNotFoundError(f"no run {self.run_id!r} found through {', '.join(initial_peers)}")
+            self.manifest = m
+            self.cfg = ModelConfig.from_dict(m.model_config_dict, source=f"manifest of run {self.run_id}")
+            self.objective = get_objective(self.cfg)
+            self.loop = LoopThread(name="bt-client")
+            p2p = self.loop.run(self.discovery.dht.replicate_p2p(), timeout=30)
+            self.hop_client = HopClient(p2p, self.run_id, loop=self.loop)
+            self.bans = BanList()
+            self.router = Router(self.discovery, self.hop_client, self.run_id, self.cfg.n_blocks,
+                                 self.objective.state_dim(), hop_timeout=hop_timeout, bans=self.bans)
+        except BaseException:
+            self.close()
+            raise
+
+    def _only_run(self) -> str:
+        runs = self.discovery.list_runs() if hasattr(self.discovery, "list_runs") else []
+        if len(runs) == 1:
+            return runs[0]
+        if not runs:
+            raise RunNotFoundError("no run found through the initial peers; pass --run-id")
+        raise ValueError(f"several runs are live ({', '.join(sorted(runs))}); pass --run-id")
+
+    def holders(self):
+        return self.discovery.list_holders(self.run_id)
+
+    def generate(self, prompt: bytes, n_bytes: int, mode: str = "one_sweep", *, seed: int = 0,
+                 temperature: float = 0.0) -> dict:
+        route = RouteLog()
+        hops = self.router.hops(route)
+        g = torch.Generator().manual_seed(seed)
+        t0 = time.perf_counter()
+        if mode == "one_sweep":
+            out = self.objective.generate_one_sweep(hops, prompt, n_bytes, temperature=temperature, generator=g)
+        elif mode == "autoregressive":
+            out = self.objective.generate_autoregressive(hops, prompt, n_bytes, temperature=temperature,
+                                                         generator=g)
+        else:
+            raise ValueError(f"unknown mode {mode!r}: use one_sweep or autoregressive")
+        return {"text": out.decode("utf-8", errors="replace"), "bytes": out, "mode": mode,
+                "route": route.route(), "traversals": route.calls // self.cfg.n_blocks,
+                "seconds": time.perf_counter() - t0, "failovers": route.failovers,
+                "bytes_out": route.bytes_out, "bytes_in": route.bytes_in}
+
+    def chain_ce(self, eval_data, n_windows: int = 16, k: int = 2) -> dict:
+        windows = eval_windows(eval_data, self.cfg.seq_len, n_windows)
+        route = RouteLog()
+        res = self.objective.score(self.router.hops(route), windows, k=k, generator=torch.Generator().manual_seed(0))
+        return {"chain_ce": res.ce, "chain_ce_k1": res.ce_k1, "ce_kind": res.ce_kind, "k": k,
+                "tokens": res.tokens, "route": route.route()}
+
+    def export(self, out: str | Path, timeout: float = 60.0) -> dict:
+        """Pull every block from a live holder into ``out`` (safetensors per block + config.json)."""
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        holders = self.holders()
+        got = {}
+        for b in range(self.cfg.n_blocks):
+            errors = []
+            for a in sorted((h for h in holders.get(b, []) if h.state == "online"), key=lambda h: -h.step):
+                try:
+                    meta, tensors = self.hop_client.get_block_state_sync(a.peer_id, b, timeout=timeout)
+                except Exception as e:
+                    errors.append(f"{a.peer_id}: {e}")
+                    continue
+                fresh = self.objective.build_block(b)
+                fresh.load_state_dict(tensors)   # refuses wrong names/shapes
+                ckpt.save_block(out / ckpt.block_filename(b), tensors, config=self.cfg, block_index=b,
+                                step=int(meta.get("step", 0)), samples_seen=int(meta.get("samples_seen", 0)))
+                got[b] = {"peer": a.peer_id, "step": int(meta.get("step", 0))}
+                break
+            else:
+                raise RuntimeError(f"block {b} has no live holder that delivered its state"
+                                   + (f" ({'; '.join(errors)})" if errors else ""))
+        ckpt.save_config(out, self.cfg)
+        return {"out": str(out), "blocks": got, "run_id": self.run_id, "config_hash": self.cfg.config_hash}
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        self.discovery.shutdown(withdraw=False)

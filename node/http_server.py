@@ -1,0 +1,46 @@
+"""Runs the FastAPI app with uvicorn in a background thread of the node."""
+from __future__ import annotations
+
+import threading
+import time
+from importlib import resources
+
+import uvicorn
+
+from .http_api import create_app
+
+
+def static_dir() -> str | None:
+    d = resources.files("blocktrain.node") / "static"
+    return str(d) if d.is_dir() else None
+
+
+class HttpServer:
+    def __init__(self, backend, host: str, port: int):
+        app = create_app(backend, static_dir=static_dir())
+        self.config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                     timeout_graceful_shutdown=3, limit_concurrency=64)
+        self.server = uvicorn.Server(self.config)
+        self.thread = threading.Thread(target=self.server.run, name="bt-http", daemon=True)
+
+    def start(self, timeout: float = 15.0) -> None:
+        self.thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self.thread.is_alive():
+                raise OSError(f"HTTP server could not start on {self.config.host}:{self.config.port} "
+                              "(port in use?)")
+            if time.monotonic() - t0 > timeout:
+                raise TimeoutError("HTTP server did not start in time")
+            time.sleep(0.05)
+
+    @property
+    def port(self) -> int:
+        for s in self.server.servers:
+            for sock in s.sockets:
+                return sock.getsockname()[1]
+        return self.config.port
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

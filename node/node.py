@@ -1,0 +1,308 @@
+"""A BlockTrain node: joins (or seeds) a run, trains one block, averages it with same-block
+peers, serves hops for it, routes generation for anyone, and leaves cleanly.
+
+Threads: ``train`` (optimizer steps, periodic checkpoints), ``average`` (gossip rounds, never
+blocking training), the p2p event loop (RPC server and client), the DHT refresher, and the HTTP
+server. Child processes (hivemind's DHT, averager, p2pd) live in this node's process group.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ..blocks.config import ModelConfig
+from ..blocks.chain import HopRequest
+from ..blocks.objectives import get_objective
+from ..p2p.aioloop import LoopThread
+from ..p2p.discovery import Discovery
+from ..p2p.errors import ConfigMismatchError, RunNotFoundError
+from ..p2p.hops import HopLimits
+from ..p2p.identity import NodeIdentity
+from ..p2p.records import BlockAnnouncement, RunManifest
+from ..p2p.rpc_client import HopClient
+from ..p2p.rpc_server import BlockRPCServer
+from .averaging import BlockAverager
+from .default_data import resolve_default
+from .local_train import pick_device
+from .options import NodeOptions
+from .routing import BanList, Router
+from .trainer import BlockTrainer
+
+log = logging.getLogger(__name__)
+SOFTWARE_VERSION = "blocktrain/0.1.0"
+PROTOCOL_VERSION = 1
+
+
+def choose_block(holders: dict[int, list[BlockAnnouncement]], n_blocks: int) -> int:
+    """The block with the fewest live holders; ties broken by least total throughput, then index."""
+    def key(b: int):
+        live = [a for a in holders.get(b, []) if a.is_live]
+        return (len(live), sum(a.throughput for a in live), b)
+    return min(range(n_blocks), key=key)
+
+
+class Node:
+    def __init__(self, opts: NodeOptions):
+        self.opts = opts
+        self.stop_event = threading.Event()
+        self.started_at = time.time()
+        self.state = "starting"
+        self.identity: NodeIdentity | None = None
+        self.discovery: Discovery | None = None
+        self.loop: LoopThread | None = None
+        self.server: BlockRPCServer | None = None
+        self.client: HopClient | None = None
+        self.trainer: BlockTrainer | None = None
+        self.averager: BlockAverager | None = None
+        self.router: Router | None = None
+        self.http = None
+        self.manifest: RunManifest | None = None
+        self.cfg: ModelConfig | None = None
+        self.data_used = ""
+        self.resumed = False
+        self.downloaded: dict | None = None
+        self.checkpoints_written = 0
+        self.chain_ce_history: list[tuple[float, float]] = []
+        self.bans = BanList()
+        self._threads: list[threading.Thread] = []
+        self._avg_wakeup = threading.Event()
+        self.errors: list[str] = []
+
+    # -- start ----------------------------------------------------------------------------------
+    def start(self) -> "Node":
+        o = self.opts
+        o.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.identity = NodeIdentity.load_or_create(o.checkpoint_dir / "identity.key")
+        host = f"/ip4/{o.host}/tcp/{o.port}"
+        announce = [f"/ip4/{o.announce_host}/tcp/{o.port}"] if o.announce_host and o.port else None
+        self.discovery = Discovery.start(identity=self.identity, initial_peers=o.initial_peers,
+                                         host_maddrs=[host], announce_maddrs=announce,
+                                         run_ids=[o.run_id] if o.run_id else [], ttl=o.ttl)
+        self.peer_id = self.discovery.peer_id
+        self._resolve_run()
+        self._build_trainer()
+        self._start_rpc()
+        self.averager = BlockAverager(self.discovery.dht, self.trainer, self.run_id, peer_id=self.peer_id)
+        self._late_join()
+        self.state = "online"
+        self.discovery.start_announcing(self.announcement)
+        if o.http_port is not None:
+            self._start_http()
+        self._spawn("train", self._train_loop)
+        self._spawn("average", self._average_loop)
+        return self
+
+    def _resolve_run(self) -> None:
+        o, d = self.opts, self.discovery
+        if o.config is not None:   # seeding a new run
+            if not o.run_id:
+                raise ValueError("seeding needs a run id")
+            existing = d.get_manifest(o.run_id)
+            if existing is not None and existing.config_hash != o.config.config_hash:
+                raise ConfigMismatchError(f"run {o.run_id!r} already exists with config {existing.config_hash}; "
+                                          f"this node's config is {o.config.config_hash}")
+            self.manifest = existing or RunManifest(
+                run_id=o.run_id, model_config=o.config.to_dict(), config_hash=o.config.config_hash,
+                data_spec=o.data or "auto", target_seed=o.config.target_seed, protocol_version=PROTOCOL_VERSION,
+                seeder_public_key=d.public_key, created_at=time.time())
+            d.publish_manifest(self.manifest)
+            self.cfg = o.config
+        else:
+            run_id = o.run_id or self._only_run()
+            d.follow_run(run_id)
+            m = d.get_manifest(run_id)
+            if m is None:
+                raise RunNotFoundError(f"no run {run_id!r} found through {', '.join(o.initial_peers) or 'the DHT'}")
+            self.manifest = m
+            self.cfg = ModelConfig.from_dict(m.model_config_dict, source=f"manifest of run {run_id}")
+            if self.cfg.config_hash != m.config_hash:
+                raise ConfigMismatchError(f"run {run_id!r}: manifest config hashes to {self.cfg.config_hash}, "
+                                          f"but announces {m.config_hash}")
+        self.run_id = self.manifest.run_id
+
+    def _only_run(self) -> str:
+        runs = self.discovery.list_runs() if hasattr(self.discovery, "list_runs") else []
+        if len(runs) == 1:
+            return runs[0]
+        if not runs:
+            raise RunNotFoundError("no run found through the initial peers; pass --run-id")
+        raise ValueError(f"several runs are live ({', '.join(sorted(runs))}); pass --run-id")
+
+    def _build_trainer(self) -> None:
+        o, cfg = self.opts, self.cfg
+        holders = self.discovery.list_holders(self.run_id)
+        b = o.block if o.block is not None else choose_block(holders, cfg.n_blocks)
+        if not 0 <= b < cfg.n_blocks:
+            raise ValueError(f"--block {b} is out of range: run {self.run_id!r} has {cfg.n_blocks} blocks")
+        spec = o.data or self.manifest.data_spec
+        split, self.data_used = resolve_default(spec, cfg.seq_len, o.checkpoint_dir)
+        self.split = split
+        worker = int(hashlib.sha256(self.peer_id.encode()).hexdigest()[:8], 16)
+        device = pick_device(o.device)
+        self.trainer = BlockTrainer(cfg, b, split.train, split.eval, device=device, seed=o.seed, worker_id=worker)
+        self.resumed = self.trainer.resume(o.checkpoint_dir)
+        self.block_index = b
+
+    def _start_rpc(self) -> None:
+        cfg, b = self.cfg, self.block_index
+        self.loop = LoopThread(name=f"bt-node-{self.peer_id[-6:]}")
+        p2p = self.loop.run(self.discovery.dht.replicate_p2p(), timeout=30)
+        limits = HopLimits(allowed_blocks=frozenset({b}), max_batch=64, max_seq=cfg.seq_len,
+                           state_dim=get_objective(cfg).state_dim(), vocab_size=cfg.vocab_size)
+        self.server = BlockRPCServer(p2p, self.run_id, limits, self._serve_hop, self._serve_state)
+        self.loop.run(self.server.add_block(b), timeout=30)
+        self.client = HopClient(p2p, self.run_id, loop=self.loop)
+        self.router = Router(self.discovery, self.client, self.run_id, cfg.n_blocks,
+                             get_objective(cfg).state_dim(), local_hops={b: self.trainer.hop},
+                             self_peer=self.peer_id, bans=self.bans)
+
+    def _late_join(self) -> None:
+        """Download the block's current state from a live holder before training (unless resumed)."""
+        if self.resumed:
+            return
+        others = [a for a in self.discovery.list_holders(self.run_id).get(self.block_index, [])
+                  if a.peer_id != self.peer_id and a.is_live]
+        if not others:
+            return
+        self.state = "joining"
+        try:
+            self.downloaded = self.averager.download_state(timeout=30)
+        except ValueError as e:
+            self.errors.append(f"state download refused: {e}")
+        if self.downloaded is None:
+            for a in others:   # fall back to our own RPC
+                try:
+                    meta, tensors = self.client.get_block_state_sync(a.peer_id, self.block_index, timeout=30)
+                    self.trainer.load_tensors(tensors, step=int(meta.get("step", 0)),
+                                              samples_seen=int(meta.get("samples_seen", 0)))
+                    self.downloaded = meta
+                    break
+                except Exception as e:  # try the next holder
+                    self.errors.append(f"state download from {a.peer_id} failed: {e}")
+
+    def _start_http(self) -> None:
+        from .http_server import HttpServer
+        from .service import NodeBackend
+        self.http = HttpServer(NodeBackend(self), self.opts.http_host, self.opts.http_port)
+        self.http.start()
+
+    # -- serving --------------------------------------------------------------------------------
+    def _serve_hop(self, block: int, state, context, sigmas, want_logits):
+        s = sigmas.reshape(-1, 2).float()
+        n = state.shape[0]
+        if s.shape[0] == 1:
+            s = s.expand(n, 2)
+        out = self.trainer.hop(HopRequest(state.float(), context.long(), s[:, 0].contiguous(),
+                                          s[:, 1].contiguous(), want_logits))
+        return out.state, out.logits
+
+    def _serve_state(self, block: int):
+        t = self.trainer
+        with t.lock:
+            meta = {"step": t.step, "samples_seen": t.samples_seen, "config_hash": self.cfg.config_hash}
+        return meta, t.state_tensors()
+
+    def announcement(self) -> BlockAnnouncement:
+        t = self.trainer
+        return BlockAnnouncement(
+            peer_id=self.peer_id, block_index=self.block_index, state=self.state, step=t.step,
+            samples_seen=t.samples_seen, throughput=float(t.throughput()), load=0.0, serving=True,
+            addresses=self.discovery.visible_maddrs()[:4], software_version=SOFTWARE_VERSION,
+            config_hash=self.cfg.config_hash, run_id=self.run_id)
+
+    # -- loops ----------------------------------------------------------------------------------
+    def _spawn(self, name: str, fn) -> None:
+        th = threading.Thread(target=self._guard(fn), name=f"bt-{name}", daemon=True)
+        th.start()
+        self._threads.append(th)
+
+    def _guard(self, fn):
+        def run():
+            try:
+                fn()
+            except Exception as e:  # a crashed loop is reported, and the node stops cleanly
+                log.exception("node loop failed")
+                self.errors.append(f"{type(e).__name__}: {e}")
+                self.stop_event.set()
+        return run
+
+    def _train_loop(self) -> None:
+        o, t = self.opts, self.trainer
+        while not self.stop_event.is_set():
+            if not o.train or (o.max_steps is not None and t.step >= o.max_steps):
+                self.stop_event.wait(0.5)
+                continue
+            t.train_step()
+            if t.step % o.average_every == 0:
+                self._avg_wakeup.set()
+            if t.step % o.checkpoint_every == 0:
+                self.save_checkpoint()
+
+    def _average_loop(self) -> None:
+        """A round every ``average_every`` local steps; while not training (max steps reached,
+        serve-only), a round every ``average_period`` seconds so idle replicas keep converging."""
+        last = time.monotonic()
+        while not self.stop_event.is_set():
+            woke = self._avg_wakeup.wait(timeout=0.5)
+            idle = not self.opts.train or (self.opts.max_steps is not None and
+                                           self.trainer.step >= self.opts.max_steps)
+            if not woke and not (idle and time.monotonic() - last >= self.opts.average_period):
+                continue
+            last = time.monotonic()
+            self._avg_wakeup.clear()
+            if self.stop_event.is_set():
+                break
+            self.averager.round()
+
+    def save_checkpoint(self) -> None:
+        self.trainer.save(self.opts.checkpoint_dir)
+        self.checkpoints_written += 1
+
+    # -- stop -----------------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Leave gracefully: tombstones, final checkpoint, children stopped. Safe to call twice."""
+        if self.state == "stopped":
+            return
+        self.state = "leaving"
+        self.stop_event.set()
+        self._avg_wakeup.set()
+        if self.averager is not None:
+            self.averager.cancel_event.set()
+        for th in self._threads:
+            th.join(timeout=30)
+        if self.trainer is not None:
+            try:
+                self.save_checkpoint()
+            except Exception as e:
+                self.errors.append(f"final checkpoint failed: {e}")
+        if self.http is not None:
+            self.http.stop()
+        if self.discovery is not None:
+            try:
+                self.discovery.stop_announcing(withdraw=True)
+            except Exception as e:
+                log.info("withdraw failed: %s", e)
+        if self.server is not None and self.loop is not None:
+            try:
+                self.loop.run(self.server.close(), timeout=10)
+            except Exception:
+                pass
+        if self.averager is not None:
+            self.averager.shutdown()
+        if self.discovery is not None:
+            self.discovery.shutdown(withdraw=False)
+        if self.loop is not None:
+            self.loop.stop()
+        if self.identity is not None:
+            self.identity.close()
+        self.state = "stopped"
+
+    def wait(self) -> None:
+        while not self.stop_event.wait(0.5):
+            pass

@@ -1,0 +1,50 @@
+"""What a node is told to do (from the CLI or a test), validated in one place."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..blocks.config import ModelConfig
+
+RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+@dataclass
+class NodeOptions:
+    checkpoint_dir: Path
+    run_id: str | None = None
+    initial_peers: list[str] = field(default_factory=list)
+    config: ModelConfig | None = None          # seed only: the run's model config
+    data: str | None = None                    # seed: the run's data spec; join: local override
+    block: int | None = None
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 0
+    announce_host: str | None = None
+    http_host: str = "127.0.0.1"
+    http_port: int | None = None
+    average_every: int = 20                    # local steps between averaging rounds
+    average_period: float = 10.0               # seconds between rounds while not training
+    checkpoint_every: int = 100
+    max_steps: int | None = None               # stop training after this many local steps (serve on)
+    train: bool = True
+    seed: int = 0
+    ttl: float = 30.0
+    allowed_peers: frozenset[str] | None = None
+
+    def __post_init__(self) -> None:
+        self.checkpoint_dir = Path(self.checkpoint_dir)
+        if self.run_id is not None and not RUN_ID_RE.match(self.run_id):
+            raise ValueError(f"run id {self.run_id!r} must be 1-64 letters, digits, '_' or '-' "
+                             "(no dots: it names DHT keys)")
+        if self.block is not None and self.block < 0:
+            raise ValueError(f"--block must be >= 0, got {self.block}")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"--device must be cpu, cuda or auto, got {self.device!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
+        if self.average_every < 1 or self.checkpoint_every < 1:
+            raise ValueError("--average-every and --checkpoint-every must be >= 1")

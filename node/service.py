@@ -1,0 +1,117 @@
+"""What the node's HTTP API (and ``bt-node generate``) asks of the node: generation, scoring and
+status, computed by routing through the chain of live block holders."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..blocks.data import eval_windows
+from .routing import RouteLog
+
+
+class NodeBackend:
+    def __init__(self, node):
+        self.node = node
+
+    # -- generation and scoring -------------------------------------------------------------------
+    def generate(self, prompt: bytes, max_bytes: int, mode: str, seed: int | None, temperature: float) -> dict:
+        node = self.node
+        obj = node.trainer.objective
+        route = RouteLog()
+        hops = node.router.hops(route)
+        g = torch.Generator().manual_seed(seed if seed is not None else int(time.time() * 1000) % 2**31)
+        t0 = time.perf_counter()
+        if mode == "one_sweep":
+            out = obj.generate_one_sweep(hops, prompt, max_bytes, temperature=temperature, generator=g)
+        elif mode == "autoregressive":
+            out = obj.generate_autoregressive(hops, prompt, max_bytes, temperature=temperature, generator=g)
+        else:
+            raise ValueError(f"unknown mode {mode!r}: use one_sweep or autoregressive")
+        dt = time.perf_counter() - t0
+        return {"text": out.decode("utf-8", errors="replace"), "bytes_generated": len(out), "mode": mode,
+                "route": route.route(), "traversals": route.calls // max(1, node.cfg.n_blocks),
+                "latency_ms": round(dt * 1000, 2), "failovers": route.failovers,
+                "bytes_out": route.bytes_out, "bytes_in": route.bytes_in}
+
+    def score(self, text: bytes, k: int) -> dict:
+        node = self.node
+        cfg = node.cfg
+        data = torch.tensor(list(text), dtype=torch.uint8).numpy()
+        if len(data) < 2:
+            raise ValueError("text must be at least 2 bytes")
+        seq = min(cfg.seq_len, len(data) - 1)
+        n = max(1, min(16, (len(data) - 1) // seq))
+        windows = eval_windows(data, seq, n)
+        route = RouteLog()
+        res = node.trainer.objective.score(node.router.hops(route), windows, k=k,
+                                           generator=torch.Generator().manual_seed(0))
+        return {"ce": res.ce, "ce_kind": res.ce_kind, "bytes_scored": res.tokens, "k": res.k,
+                "route": route.route()}
+
+    def held_out_ce(self, n_windows: int = 16, k: int = 2) -> dict:
+        node = self.node
+        windows = eval_windows(node.split.eval, node.cfg.seq_len, n_windows)
+        route = RouteLog()
+        res = node.trainer.objective.score(node.router.hops(route), windows, k=k,
+                                           generator=torch.Generator().manual_seed(0))
+        node.chain_ce_history.append((time.time(), res.ce))
+        return {"chain_ce": res.ce, "chain_ce_k1": res.ce_k1, "ce_kind": res.ce_kind, "k": k,
+                "tokens": res.tokens, "route": route.route()}
+
+    def average_now(self) -> dict:
+        v = self.node.averager.round()
+        if v is None:
+            return {"accepted": None, "reason": "no group formed (no same-block peer joined the round)"}
+        return {"accepted": v.accepted, "reason": v.reason, "relative_change": v.relative_change}
+
+    # -- status ---------------------------------------------------------------------------------
+    def status(self) -> dict:
+        node = self.node
+        cfg, t, a = node.cfg, node.trainer, node.averager
+        holders = node.discovery.list_holders(node.run_id)
+        blocks = []
+        for b in range(cfg.n_blocks):
+            blocks.append({"block": b, "holders": [
+                {"peer_id": h.peer_id, "state": h.state, "step": h.step, "samples_seen": h.samples_seen,
+                 "throughput": h.throughput, "load": h.load, "serving": h.serving,
+                 "is_self": h.peer_id == node.peer_id}
+                for h in holders.get(b, [])]})
+        s = a.stats
+        return {
+            "run": {"run_id": node.run_id, "config_hash": cfg.config_hash, "objective": cfg.objective,
+                    "n_blocks": cfg.n_blocks, "d_model": cfg.d_model, "layers_per_block": cfg.layers_per_block,
+                    "seq_len": cfg.seq_len, "data": node.data_used, "protocol": node.split.protocol},
+            "self": {"peer_id": node.peer_id, "block": node.block_index, "state": node.state, "step": t.step,
+                     "samples_seen": t.samples_seen, "throughput": t.throughput(), "loss": t.recent_loss(),
+                     "maddrs": node.discovery.visible_maddrs(), "uptime_s": time.time() - node.started_at,
+                     "resumed": node.resumed, "downloaded_state": node.downloaded is not None},
+            "blocks": blocks,
+            "losses": [[round(ts, 3), st, round(l, 5)] for ts, st, l in list(t.losses)[-200:]],
+            "averaging": {"attempted": s.attempted, "succeeded": s.succeeded, "rejected": s.rejected,
+                          "failed": s.failed, "last_round_time": s.last_round_time,
+                          "last_group_size": s.last_group_size, "last_verdict": s.last_verdict},
+            "chain_ce": [[round(ts, 3), ce] for ts, ce in node.chain_ce_history[-100:]],
+            "errors": node.errors[-10:],
+        }
+
+    def metrics(self) -> dict[str, float]:
+        node = self.node
+        t, s = node.trainer, node.averager.stats
+        m = {"step": float(t.step), "samples_seen_total": float(t.samples_seen),
+             "throughput_samples_per_s": t.throughput(), "loss": float(t.recent_loss() or float("nan")),
+             "averaging_rounds_attempted_total": float(s.attempted),
+             "averaging_rounds_succeeded_total": float(s.succeeded),
+             "averaging_rounds_rejected_total": float(s.rejected),
+             "averaging_rounds_failed_total": float(s.failed),
+             "peers_banned_total": float(node.bans.total),
+             "checkpoints_written_total": float(node.checkpoints_written)}
+        for side, counter in (("server", getattr(node.server, "traffic", None)),
+                              ("client", getattr(node.client, "traffic", None))):
+            if counter is not None:
+                snap = counter.snapshot()
+                m[f"rpc_{side}_bytes_sent_total"] = float(snap.bytes_sent)
+                m[f"rpc_{side}_bytes_received_total"] = float(snap.bytes_received)
+                m[f"rpc_{side}_calls_total"] = float(snap.calls)
+                m[f"rpc_{side}_errors_total"] = float(snap.errors)
+        return m

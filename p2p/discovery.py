@@ -1,0 +1,471 @@
+"""Discovery on a hivemind DHT: start/join, run manifest, signed block announcements, holder lists, chains.
+
+Every method exists twice: ``aX()`` is a coroutine for callers inside an event loop (it awaits
+hivemind's ``return_future=True`` futures, never blocking the loop); ``X()`` is the blocking form
+for threads, run on a private loop thread. Calling a blocking form from inside an event loop
+raises ``RuntimeError`` instead of freezing the loop.
+
+Announcements: constant TTL (default 30 s), refreshed every TTL/3 by :meth:`start_announcing`;
+``withdraw`` stores a tombstone (``None``, expiring just after the last announcement), and readers
+skip tombstones. Readers also drop any announcement whose ``peer_id`` is not the PeerID of the key
+that signed it, so a peer cannot advertise itself under someone else's id.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping, Sequence
+from functools import partial
+from typing import Any, TypeVar
+
+from hivemind.dht import DHT
+from hivemind.dht.node import DHTNode
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
+
+from blocktrain.p2p.addresses import parse_initial_peers, parse_multiaddr
+from blocktrain.p2p.aioloop import LoopThread, in_event_loop
+from blocktrain.p2p.chain import ChainPlan, RankKey, plan_chain
+from blocktrain.p2p.dht_schema import (
+    block_subkey, blocks_key, make_validators, manifest_key, owner_marker, parse_block_subkey,
+    parse_owner_marker, run_schema_validator,
+)
+from blocktrain.p2p.errors import (
+    ConfigMismatchError, DiscoveryError, IdentityError, IdentityInUseError, ManifestConflictError, MissingBlockError,
+    RecordError, RunNotFoundError,
+)
+from blocktrain.p2p.identity import NodeIdentity, peer_id_from_public_key
+from blocktrain.p2p.records import PROTOCOL_VERSION, BlockAnnouncement, RunManifest, validate_run_id
+
+__all__ = [
+    "Discovery", "DEFAULT_TTL", "MANIFEST_TTL", "ConfigMismatchError", "RunNotFoundError", "MissingBlockError",
+    "ManifestConflictError",
+]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_TTL = 30.0  # seconds an announcement lives without refresh
+MANIFEST_TTL = 24 * 3600.0
+TOMBSTONE_DELAY = 1e-3  # a tombstone expires this long after the record it replaces
+DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+
+AnnGetter = Callable[[], BlockAnnouncement | Sequence[BlockAnnouncement] | None]
+
+
+# -- functions executed inside the DHT process (must be top-level to pickle) --------------------
+async def _add_validators(_dht: DHT, node: DHTNode, validators: list[Any]) -> None:
+    node.protocol.record_validator.extend(validators)
+
+
+async def _visible_maddrs(_dht: DHT, node: DHTNode) -> list[str]:
+    return [str(m) for m in await node.p2p.get_visible_maddrs()]
+
+
+class Discovery:
+    """A hivemind DHT plus BlockTrain's record conventions. Create with :meth:`start`."""
+
+    def __init__(self, dht: DHT, record_key: RSAPrivateKey, *, ttl: float = DEFAULT_TTL):
+        if ttl <= 0:
+            raise ValueError(f"ttl must be > 0, got {ttl}")
+        self.dht = dht
+        self.record_key = record_key
+        self.ttl = float(ttl)
+        self.peer_id: str = str(dht.peer_id)
+        self.public_key: str = record_key.get_public_key().to_bytes().decode()
+        self._followed: set[str] = set()
+        self._run_hash: dict[str, str] = {}
+        self._last_exp: dict[tuple[str, int], float] = {}  # highest expiration ever sent per (run, block)
+        self._active: set[tuple[str, int]] = set()  # slots announced and not withdrawn
+        self._loop = LoopThread(name=f"bt-discovery-{self.peer_id[-6:]}")
+        self._announce_task: asyncio.Task[None] | None = None
+        self._owned_identity: NodeIdentity | None = None
+        self._closed = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+    @classmethod
+    def start(
+        cls,
+        *,
+        identity: NodeIdentity | None = None,
+        initial_peers: Iterable[str] = (),
+        host_maddrs: Sequence[str] = DEFAULT_HOST_MADDRS,
+        announce_maddrs: Sequence[str] | None = None,
+        client_mode: bool = False,
+        run_ids: Iterable[str] = (),
+        ttl: float = DEFAULT_TTL,
+        startup_timeout: float = 60.0,
+        **dht_kwargs: Any,
+    ) -> "Discovery":
+        """Start a DHT node (a new network if ``initial_peers`` is empty, else join through them).
+
+        ``identity`` fixes the PeerID and the record-signing key; without it a throw-away RSA identity
+        is made (so the PeerID still matches the signing key, which readers check).
+        ``run_ids`` are the runs whose record schemas this node enforces from the start (more can
+        be added later; every method taking a run id follows that run automatically).
+        """
+        peers = parse_initial_peers(list(initial_peers))
+        hosts = [parse_multiaddr(m) for m in host_maddrs]
+        announce = [parse_multiaddr(m, allow_port_zero=False) for m in announce_maddrs] if announce_maddrs else None
+        runs = [validate_run_id(r) for r in run_ids]
+        owned = identity is None
+        ident = NodeIdentity.ephemeral() if identity is None else identity
+        key = ident.record_key
+        kwargs: dict[str, Any] = dict(dht_kwargs)
+        kwargs["identity_path"] = ident.identity_path
+        if owned:  # a key made a moment ago cannot be in use elsewhere: skip hivemind's probe (a second p2pd)
+            kwargs.setdefault("check_if_identity_free", False)
+        if announce:
+            kwargs["announce_maddrs"] = announce
+        dht = DHT(
+            initial_peers=peers or None,
+            start=False,
+            host_maddrs=hosts,
+            client_mode=client_mode,
+            record_validators=make_validators(key, runs),
+            **kwargs,
+        )
+        try:
+            dht.run_in_background(await_ready=True, timeout=startup_timeout)
+        except BaseException as e:
+            _kill_dht(dht)
+            if owned:
+                ident.close()
+            if not isinstance(e, Exception):
+                raise
+            if "already taken" in str(e):
+                raise IdentityInUseError(
+                    f"identity {ident.identity_path} (peer {ident.peer_id}) is already used by a live node of "
+                    f"this network; give this node its own identity/data directory"
+                ) from e
+            where = f"through initial peers {peers}" if peers else f"on {hosts}"
+            raise DiscoveryError(f"could not start a DHT node {where}: {type(e).__name__}: {e}") from e
+        self = cls(dht, key, ttl=ttl)
+        if owned:
+            self._owned_identity = ident
+        if self.peer_id != ident.peer_id:
+            self.shutdown(withdraw=False)
+            raise IdentityError(f"the DHT runs as {self.peer_id} but identity {ident.identity_path} is {ident.peer_id}")
+        self._followed.update(runs)
+        return self
+
+    def shutdown(self, *, withdraw: bool = True) -> None:
+        """Stop refreshing, optionally leave tombstones, stop the DHT process and the loop thread (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.run(self._astop_announcing(withdraw=withdraw), timeout=15)
+        except Exception as e:  # shutting down anyway
+            logger.warning("withdrawing announcements during shutdown failed: %s", e)
+        finally:
+            _kill_dht(self.dht)
+            self._loop.stop()
+            if self._owned_identity is not None:
+                self._owned_identity.close()
+
+    def __enter__(self) -> "Discovery":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _sync(self, coro: Coroutine[Any, Any, T], name: str) -> T:
+        if in_event_loop():
+            coro.close()
+            raise RuntimeError(f"Discovery.{name}() blocks; inside an event loop use `await Discovery.a{name}()`")
+        return self._loop.run(coro)
+
+    async def afollow_run(self, run_id: str) -> None:
+        """Enforce ``run_id``'s record schemas on this node (idempotent)."""
+        validate_run_id(run_id)
+        if run_id in self._followed:
+            return
+        await self.dht.run_coroutine(partial(_add_validators, validators=[run_schema_validator(run_id)]),
+                                     return_future=True)
+        self._followed.add(run_id)
+
+    def follow_run(self, run_id: str) -> None:
+        self._sync(self.afollow_run(run_id), "follow_run")
+
+    async def avisible_maddrs(self) -> list[str]:
+        return list(await self.dht.run_coroutine(_visible_maddrs, return_future=True))
+
+    def visible_maddrs(self) -> list[str]:
+        """Multiaddrs (with /p2p/<peer id>) other nodes can use as initial peers."""
+        return self._sync(self.avisible_maddrs(), "visible_maddrs")
+
+    # -- manifest ---------------------------------------------------------------------------
+    async def apublish_manifest(self, manifest: RunManifest, *, ttl: float = MANIFEST_TTL) -> None:
+        if manifest.seeder_public_key != self.public_key:
+            raise RecordError(
+                "manifest.seeder_public_key is not this node's record key; only the seeder can publish "
+                "(set seeder_public_key=discovery.public_key)"
+            )
+        await self.afollow_run(manifest.run_id)
+        ok = await self.dht.store(
+            manifest_key(manifest.run_id), manifest.to_wire(), get_dht_time() + ttl,
+            subkey=owner_marker(self.record_key), return_future=True,
+        )
+        if not ok:
+            raise DiscoveryError(f"storing the manifest of run {manifest.run_id!r} was refused by every DHT node")
+        self._run_hash[manifest.run_id] = manifest.config_hash
+
+    def publish_manifest(self, manifest: RunManifest, *, ttl: float = MANIFEST_TTL) -> None:
+        """Publish the run manifest signed by this node's key (the node becomes the run's seeder)."""
+        self._sync(self.apublish_manifest(manifest, ttl=ttl), "publish_manifest")
+
+    async def aget_manifest(self, run_id: str, *, seeder_public_key: str | None = None) -> RunManifest | None:
+        await self.afollow_run(run_id)
+        found = await self.dht.get(manifest_key(run_id), latest=True, return_future=True)
+        manifests = parse_manifests(run_id, found, seeder_public_key)
+        if not manifests:
+            return None
+        hashes = sorted({m.config_hash for m in manifests})
+        if len(hashes) > 1:
+            raise ManifestConflictError(
+                f"run {run_id!r} has {len(manifests)} manifests by different seeders with config hashes "
+                f"{', '.join(hashes)}; pass seeder_public_key to pick the trusted seeder"
+            )
+        return min(manifests, key=lambda m: (m.created_at, m.seeder_public_key))
+
+    def get_manifest(self, run_id: str, *, seeder_public_key: str | None = None) -> RunManifest | None:
+        """The run's manifest, or None if nobody published one (or it expired)."""
+        return self._sync(self.aget_manifest(run_id, seeder_public_key=seeder_public_key), "get_manifest")
+
+    async def acheck_manifest(
+        self, run_id: str, config_hash: str, *, seeder_public_key: str | None = None,
+        protocol_version: int = PROTOCOL_VERSION,
+    ) -> RunManifest:
+        m = await self.aget_manifest(run_id, seeder_public_key=seeder_public_key)
+        if m is None:
+            raise RunNotFoundError(
+                f"no manifest is published for run {run_id!r}: check the run id and that the initial peers "
+                f"belong to that run's network (or seed the run first)"
+            )
+        if m.config_hash != config_hash:
+            raise ConfigMismatchError(
+                f"run {run_id!r} uses config hash {m.config_hash} but this node's config hashes to {config_hash}; "
+                f"refusing to join. Start the node with the run's model config."
+            )
+        if m.protocol_version != protocol_version:
+            raise ConfigMismatchError(
+                f"run {run_id!r} speaks wire protocol v{m.protocol_version} but this node speaks "
+                f"v{protocol_version}; upgrade/downgrade blocktrain to match"
+            )
+        self._run_hash[run_id] = m.config_hash
+        return m
+
+    def check_manifest(
+        self, run_id: str, config_hash: str, *, seeder_public_key: str | None = None,
+        protocol_version: int = PROTOCOL_VERSION,
+    ) -> RunManifest:
+        """Return the manifest if this node may join; raise RunNotFoundError / ConfigMismatchError otherwise."""
+        return self._sync(
+            self.acheck_manifest(run_id, config_hash, seeder_public_key=seeder_public_key,
+                                 protocol_version=protocol_version),
+            "check_manifest",
+        )
+
+    # -- announcements ----------------------------------------------------------------------
+    async def aannounce(self, ann: BlockAnnouncement) -> bool:
+        if ann.peer_id != self.peer_id:
+            raise RecordError(
+                f"announcement names peer {ann.peer_id} but this node is {self.peer_id}; readers would drop it"
+            )
+        await self.afollow_run(ann.run_id)
+        slot = (ann.run_id, ann.block_index)
+        expiration = max(get_dht_time() + self.ttl, self._last_exp.get(slot, 0.0) + TOMBSTONE_DELAY)
+        # remember the attempt before awaiting: a later tombstone must outrank even a store still in flight
+        self._last_exp[slot] = expiration
+        self._active.add(slot)
+        ok = await self.dht.store(
+            blocks_key(ann.run_id), ann.to_wire(), expiration,
+            subkey=block_subkey(ann.block_index, self.record_key), return_future=True,
+        )
+        if not ok:
+            logger.warning("announcement of block %d in run %s was not stored", ann.block_index, ann.run_id)
+        return bool(ok)
+
+    def announce(self, ann: BlockAnnouncement) -> bool:
+        """Store (or refresh) this node's announcement for ``ann.block_index``; expires after TTL."""
+        return self._sync(self.aannounce(ann), "announce")
+
+    async def awithdraw(self, run_id: str | None = None, block_index: int | None = None) -> int:
+        await self._acancel_refresher()
+        slots = sorted(s for s in self._active
+                       if (run_id is None or s[0] == run_id) and (block_index is None or s[1] == block_index))
+        stored = 0
+        for rid, b in slots:
+            expiration = max(self._last_exp[(rid, b)], get_dht_time()) + TOMBSTONE_DELAY
+            self._last_exp[(rid, b)] = expiration
+            ok = await self.dht.store(blocks_key(rid), None, expiration, subkey=block_subkey(b, self.record_key),
+                                      return_future=True)
+            if ok:
+                stored += 1
+                self._active.discard((rid, b))
+            else:
+                logger.warning("tombstone for block %d in run %s was not stored", b, rid)
+        return stored
+
+    def withdraw(self, run_id: str | None = None, block_index: int | None = None) -> int:
+        """Replace this node's announcements (all, or those matching) by tombstones; returns how many.
+
+        Also stops :meth:`start_announcing`'s refresher, which would otherwise re-announce them.
+        """
+        return self._sync(self.awithdraw(run_id, block_index), "withdraw")
+
+    async def _acancel_refresher(self) -> None:
+        if self._announce_task is None:
+            return
+        if asyncio.get_running_loop() is self._loop.loop:
+            await self._astop_announcing(withdraw=False)
+        else:
+            await asyncio.wrap_future(self._loop.submit(self._astop_announcing(withdraw=False)))
+
+    def start_announcing(self, getter: AnnGetter, *, interval: float | None = None) -> None:
+        """Announce ``getter()`` now and every ``interval`` (default TTL/3) until :meth:`stop_announcing`.
+
+        ``getter`` runs in a worker thread and returns one announcement, several, or None (skip).
+        """
+        period = self.ttl / 3 if interval is None else float(interval)
+        if period <= 0 or period >= self.ttl:
+            raise ValueError(f"refresh interval must be in (0, ttl={self.ttl}), got {period}")
+        self._loop.run(self._astart_announcing(getter, period))
+
+    async def _astart_announcing(self, getter: AnnGetter, period: float) -> None:
+        if self._announce_task is not None and not self._announce_task.done():
+            raise RuntimeError("already announcing; call stop_announcing() first")
+        self._announce_task = asyncio.create_task(self._announce_forever(getter, period))
+
+    async def _announce_forever(self, getter: AnnGetter, period: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                got = await loop.run_in_executor(None, getter)
+                anns = [] if got is None else [got] if isinstance(got, BlockAnnouncement) else list(got)
+                for a in anns:
+                    await self.aannounce(a)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                logger.warning("periodic announcement failed (will retry in %.1fs): %s", period, e)
+            await asyncio.sleep(period)
+
+    async def _astop_announcing(self, *, withdraw: bool) -> None:
+        task, self._announce_task = self._announce_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if withdraw:
+            await self.awithdraw()
+
+    def stop_announcing(self, *, withdraw: bool = True) -> None:
+        """Stop the refresher; with ``withdraw`` also store tombstones for everything announced."""
+        self._loop.run(self._astop_announcing(withdraw=withdraw))
+
+    # -- reading ----------------------------------------------------------------------------
+    async def _aexpected_hash(self, run_id: str, config_hash: str | None) -> str:
+        if config_hash is not None:
+            return config_hash
+        if run_id not in self._run_hash:
+            m = await self.aget_manifest(run_id)
+            if m is None:
+                raise RunNotFoundError(f"no manifest is published for run {run_id!r}, so its config hash is unknown")
+            self._run_hash[run_id] = m.config_hash
+        return self._run_hash[run_id]
+
+    async def alist_holders(self, run_id: str, config_hash: str | None = None) -> dict[int, list[BlockAnnouncement]]:
+        await self.afollow_run(run_id)
+        expected = await self._aexpected_hash(run_id, config_hash)
+        found = await self.dht.get(blocks_key(run_id), latest=True, return_future=True)
+        return parse_holders(run_id, found, expected)
+
+    def list_holders(self, run_id: str, config_hash: str | None = None) -> dict[int, list[BlockAnnouncement]]:
+        """Live holders per block: signed by the peer they name, not tombstoned, state joining/online,
+        matching ``config_hash`` (default: the run manifest's)."""
+        return self._sync(self.alist_holders(run_id, config_hash), "list_holders")
+
+    async def abuild_chain(
+        self, run_id: str, n_blocks: int, *, rank_key: RankKey | None = None,
+        rtt_s: Mapping[str, float] | None = None, exclude: Collection[str] = (), config_hash: str | None = None,
+    ) -> ChainPlan:
+        holders = await self.alist_holders(run_id, config_hash)
+        return plan_chain(run_id, holders, n_blocks, rank_key=rank_key, rtt_s=rtt_s, exclude=exclude)
+
+    def build_chain(
+        self, run_id: str, n_blocks: int, *, rank_key: RankKey | None = None,
+        rtt_s: Mapping[str, float] | None = None, exclude: Collection[str] = (), config_hash: str | None = None,
+    ) -> ChainPlan:
+        """One online+serving holder per block 0..n_blocks-1 with ranked alternates; MissingBlockError if none."""
+        return self._sync(
+            self.abuild_chain(run_id, n_blocks, rank_key=rank_key, rtt_s=rtt_s, exclude=exclude,
+                              config_hash=config_hash),
+            "build_chain",
+        )
+
+
+# -- interpretation of raw DHT results (pure) ----------------------------------------------------
+def _subentries(found: ValueWithExpiration | None) -> dict[Any, Any]:
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return found.value
+
+
+def parse_manifests(run_id: str, found: ValueWithExpiration | None, seeder: str | None) -> list[RunManifest]:
+    out: list[RunManifest] = []
+    for subkey, item in _subentries(found).items():
+        owner = parse_owner_marker(subkey)
+        if owner is None or item.value is None:
+            continue
+        try:
+            m = RunManifest.from_wire(item.value)
+        except RecordError as e:
+            logger.debug("dropping malformed manifest of run %s: %s", run_id, e)
+            continue
+        if m.run_id != run_id or m.seeder_public_key.encode() != owner:
+            logger.debug("dropping manifest of run %s not signed by its seeder", run_id)
+            continue
+        if seeder is not None and m.seeder_public_key != seeder:
+            continue
+        out.append(m)
+    return out
+
+
+def parse_holders(
+    run_id: str, found: ValueWithExpiration | None, config_hash: str
+) -> dict[int, list[BlockAnnouncement]]:
+    holders: dict[int, list[BlockAnnouncement]] = {}
+    for subkey, item in _subentries(found).items():
+        parsed = parse_block_subkey(subkey)
+        if parsed is None or item.value is None:  # foreign subkey or tombstone
+            continue
+        block, owner = parsed
+        try:
+            ann = BlockAnnouncement.from_wire(item.value)
+            signer = peer_id_from_public_key(owner)
+        except (RecordError, IdentityError) as e:
+            logger.debug("dropping malformed announcement in run %s: %s", run_id, e)
+            continue
+        if ann.peer_id != signer or ann.block_index != block or ann.run_id != run_id:
+            logger.debug("dropping announcement of %s: signer %s / subkey block %d disagree",
+                         ann.peer_id, signer, block)
+            continue
+        if ann.config_hash != config_hash or not ann.is_live:
+            continue
+        holders.setdefault(block, []).append(ann)
+    for anns in holders.values():
+        anns.sort(key=lambda a: a.peer_id)
+    return dict(sorted(holders.items()))
+
+
+def _kill_dht(dht: DHT) -> None:
+    try:
+        if dht.is_alive():
+            dht.shutdown()
+    except Exception as e:
+        logger.debug("DHT shutdown: %s", e)
+    if dht.is_alive():
+        dht.terminate()
+        dht.join(3)

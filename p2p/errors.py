@@ -1,0 +1,73 @@
+"""Typed errors of the wire layer. Every message says what went wrong and, where it helps, what to do."""
+from __future__ import annotations
+
+
+class WireError(Exception):
+    """Base class of every error raised by blocktrain.p2p."""
+
+
+# -- addresses ------------------------------------------------------------------------------
+class AddressError(WireError, ValueError):
+    """A multiaddr given by the user is malformed or of an unsupported kind."""
+
+
+# -- identity -------------------------------------------------------------------------------
+class IdentityError(WireError):
+    """The identity file cannot be read, written or used."""
+
+
+class IdentityInUseError(IdentityError):
+    """Another live process holds the lock on this identity."""
+
+
+# -- records / discovery --------------------------------------------------------------------
+class RecordError(WireError, ValueError):
+    """A manifest or announcement is invalid."""
+
+
+class RunNotFoundError(WireError):
+    """No manifest is published for the run."""
+
+
+class ConfigMismatchError(WireError):
+    """This node's config hash differs from the run's."""
+
+
+class ManifestConflictError(WireError):
+    """Several manifests with different config hashes are published under one run id."""
+
+
+class MissingBlockError(WireError):
+    """No live holder serves a block, so no inference chain can be built."""
+
+
+class DiscoveryError(WireError):
+    """The DHT could not be started, joined or queried."""
+
+
+# -- rpc ------------------------------------------------------------------------------------
+class HopError(WireError):
+    """Base class of RPC failures."""
+
+
+class HopRequestError(HopError, ValueError):
+    """A request or response violates the hop limits (raised locally, nothing was sent or accepted)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.reason = message
+
+
+class RemoteHopError(HopError):
+    """The remote peer refused or failed the call; ``code`` is machine-readable, ``reason`` human-readable."""
+
+    def __init__(self, peer_id: str, code: str, reason: str):
+        super().__init__(f"peer {peer_id} answered {code}: {reason}")
+        self.peer_id = peer_id
+        self.code = code
+        self.reason = reason
+
+
+class HopTimeoutError(HopError, TimeoutError):
+    """The remote peer did not answer within the client's timeout."""

@@ -1,0 +1,238 @@
+"""Client side of the block RPC: forward hops and block-state downloads, with timeouts and typed errors.
+
+Small calls go unary; a call whose request or expected answer exceeds ``unary_limit`` (~2 MB,
+hivemind's unary cap is 4 MiB) is streamed in ``chunk_bytes`` parts. Every failure surfaces as
+:class:`RemoteHopError` (the peer refused or broke; ``.code`` says why), :class:`HopTimeoutError`
+(no answer in time) or :class:`HopRequestError` (the request itself is unsendable).
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
+from hivemind.proto import runtime_pb2
+
+from blocktrain.p2p.aioloop import LoopThread
+from blocktrain.p2p.errors import HopRequestError, HopTimeoutError, RemoteHopError
+from blocktrain.p2p.hops import (
+    STATE_DTYPES, WIRE_VERSION, HopRequest, HopResponse, decode_meta, encode_meta, estimate_request_bytes,
+    estimate_response_bytes, namespace,
+)
+from blocktrain.p2p.rpc_server import UNARY_LIMIT_BYTES, BlockService
+from blocktrain.p2p.tensors import DEFAULT_CHUNK_BYTES, TensorAssembler, decode_tensor, encode_tensor, split_parts
+from blocktrain.p2p.traffic import TrafficCounter
+
+__all__ = ["HopClient"]
+
+
+def _peer(peer_id: str | PeerID) -> PeerID:
+    return peer_id if isinstance(peer_id, PeerID) else PeerID.from_base58(peer_id)
+
+
+class HopClient:
+    """Calls :class:`BlockService` handlers on other peers. Bound to the event loop that owns ``p2p``;
+    the ``*_sync`` helpers need ``loop`` (the :class:`LoopThread` running that loop)."""
+
+    def __init__(
+        self, p2p: P2P, run_id: str, *, loop: LoopThread | None = None, default_timeout: float = 30.0,
+        unary_limit: int = UNARY_LIMIT_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES, vocab_size_hint: int = 256,
+        max_response_bytes: int = 1 << 30,
+    ):
+        namespace(run_id, 0)  # validates run_id
+        self.p2p = p2p
+        self.run_id = run_id
+        self.loop = loop
+        self.default_timeout = default_timeout
+        self.unary_limit = unary_limit
+        self.chunk_bytes = chunk_bytes
+        self.vocab_size_hint = vocab_size_hint
+        self.max_response_bytes = max_response_bytes
+        self.traffic = TrafficCounter()
+
+    # -- forward hop ------------------------------------------------------------------------
+    async def forward(self, peer_id: str | PeerID, request: HopRequest, timeout: float | None = None) -> HopResponse:
+        """Run one hop of ``request.block_index`` on ``peer_id``; the answer is validated against the request."""
+        t = self.default_timeout if timeout is None else timeout
+        rid = request.request_id or uuid.uuid4().hex
+        pbs = [encode_tensor(request.state), encode_tensor(request.context), encode_tensor(request.sigmas)]
+        meta = encode_meta(
+            {"v": WIRE_VERSION, "request_id": rid, "block_index": int(request.block_index),
+             "want_logits": bool(request.want_logits)}
+        )
+        stream = (estimate_request_bytes(request) > self.unary_limit
+                  or estimate_response_bytes(request, self.vocab_size_hint) > self.unary_limit)
+        what = f"hop of block {request.block_index}"
+        try:
+            resp_meta, tensors, transport = await asyncio.wait_for(
+                self._forward(_peer(peer_id), request.block_index, meta, pbs, stream), t
+            )
+        except asyncio.TimeoutError:
+            self.traffic.call(ok=False)
+            raise HopTimeoutError(f"peer {peer_id} did not answer the {what} within {t:.1f}s") from None
+        except RemoteHopError:
+            self.traffic.call(ok=False)
+            raise
+        except (P2PHandlerError, P2PDaemonError, ConnectionError, asyncio.IncompleteReadError) as e:
+            self.traffic.call(ok=False)
+            raise _transport_error(str(peer_id), request.block_index, e) from None
+        self.traffic.call(ok=True)
+        resp = self._check_answer(str(peer_id), request, rid, resp_meta, tensors)
+        resp.extra["transport"] = transport
+        return resp
+
+    async def _forward(
+        self, peer: PeerID, block: int, meta: bytes, pbs: list[runtime_pb2.Tensor], stream: bool
+    ) -> tuple[dict[str, Any], list[runtime_pb2.Tensor], str]:
+        stub = BlockService.get_stub(self.p2p, peer, namespace=namespace(self.run_id, block))
+        if not stream:
+            msg = runtime_pb2.ExpertRequest(metadata=meta, tensors=pbs)
+            self.traffic.sent(msg.ByteSize())
+            resp = await stub.rpc_forward(msg)
+            self.traffic.received(resp.ByteSize())
+            resp_meta = decode_meta(resp.metadata, "response metadata")
+            if resp_meta.get("ok") is False and resp_meta.get("code") == "use_stream":
+                stream = True  # the answer is larger than we guessed: redo as a stream
+            else:
+                _raise_if_failed(str(peer), resp_meta)
+                return resp_meta, list(resp.tensors), "unary"
+        responses = await stub.rpc_forward_stream(self._request_parts(meta, pbs))
+        resp_meta, tensors = await self._collect(str(peer), responses, max_tensors=2)
+        return resp_meta, tensors, "stream"
+
+    async def _request_parts(
+        self, meta: bytes, pbs: list[runtime_pb2.Tensor]
+    ) -> AsyncIterator[runtime_pb2.ExpertRequest]:
+        first = True
+        for pb in pbs:
+            for part in split_parts(pb, self.chunk_bytes):
+                msg = runtime_pb2.ExpertRequest(metadata=meta if first else b"", tensors=[part])
+                first = False
+                self.traffic.sent(msg.ByteSize())
+                yield msg
+
+    async def _collect(
+        self, peer: str, responses: AsyncIterator[runtime_pb2.ExpertResponse], max_tensors: int,
+        max_bytes: int | None = None,
+    ) -> tuple[dict[str, Any], list[runtime_pb2.Tensor]]:
+        assembler = TensorAssembler(max_bytes or self.max_response_bytes, max_tensors=max_tensors, what="response")
+        meta: dict[str, Any] | None = None
+        try:
+            async for msg in responses:
+                self.traffic.received(msg.ByteSize())
+                if meta is None:
+                    meta = decode_meta(msg.metadata, "response metadata")
+                    _raise_if_failed(peer, meta)
+                for part in msg.tensors:
+                    assembler.feed(part)
+            if meta is None:
+                raise RemoteHopError(peer, "bad_response", "the stream ended without any answer")
+            return meta, assembler.finish()
+        except HopRequestError as e:
+            raise RemoteHopError(peer, "bad_response", e.reason) from None
+        finally:
+            aclose = getattr(responses, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    def _check_answer(
+        self, peer: str, req: HopRequest, rid: str, meta: dict[str, Any], tensors: list[runtime_pb2.Tensor]
+    ) -> HopResponse:
+        try:
+            if meta.get("request_id") != rid:
+                raise HopRequestError("bad_response", f"answer is for request {meta.get('request_id')!r}, not {rid!r}")
+            if len(tensors) != (2 if req.want_logits else 1):
+                raise HopRequestError("bad_response", f"answer carries {len(tensors)} tensors")
+            state = decode_tensor(tensors[0], "answer state")
+            if state.shape != req.state.shape or state.dtype != req.state.dtype:
+                raise HopRequestError(
+                    "bad_response", f"answer state is {tuple(state.shape)} {state.dtype}, "
+                    f"expected {tuple(req.state.shape)} {req.state.dtype}"
+                )
+            logits = None
+            if req.want_logits:
+                if tensors[1].dtype not in STATE_DTYPES:
+                    raise HopRequestError("bad_response", f"logits dtype {tensors[1].dtype!r} is not a float type")
+                logits = decode_tensor(tensors[1], "answer logits")
+                if logits.dim() != 3 or logits.shape[:2] != req.state.shape[:2]:
+                    raise HopRequestError(
+                        "bad_response", f"logits shape {tuple(logits.shape)} does not match (N, T, V)"
+                    )
+        except HopRequestError as e:
+            raise RemoteHopError(peer, "bad_response", e.reason) from None
+        return HopResponse(request_id=rid, state=state, logits=logits)
+
+    # -- block state ------------------------------------------------------------------------
+    async def get_block_state(
+        self, peer_id: str | PeerID, block_index: int, timeout: float | None = None, *, max_bytes: int | None = None,
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Download a block's state from ``peer_id``: ``(metadata, {name: tensor})``, streamed in parts."""
+        t = self.default_timeout if timeout is None else timeout
+        try:
+            meta, pbs = await asyncio.wait_for(self._get_state(_peer(peer_id), block_index, max_bytes), t)
+        except asyncio.TimeoutError:
+            self.traffic.call(ok=False)
+            raise HopTimeoutError(
+                f"peer {peer_id} did not deliver block {block_index}'s state within {t:.1f}s"
+            ) from None
+        except RemoteHopError:
+            self.traffic.call(ok=False)
+            raise
+        except (P2PHandlerError, P2PDaemonError, ConnectionError, asyncio.IncompleteReadError) as e:
+            self.traffic.call(ok=False)
+            raise _transport_error(str(peer_id), block_index, e) from None
+        names = meta.get("names")
+        if not isinstance(names, list) or len(names) != len(pbs) or not all(isinstance(n, str) for n in names):
+            raise RemoteHopError(str(peer_id), "bad_response", f"state names {names!r} do not match {len(pbs)} tensors")
+        try:
+            tensors = {n: decode_tensor(pb, f"state tensor {n!r}") for n, pb in zip(names, pbs)}
+        except HopRequestError as e:
+            raise RemoteHopError(str(peer_id), "bad_response", e.reason) from None
+        self.traffic.call(ok=True)
+        state_meta = meta.get("meta")
+        return (state_meta if isinstance(state_meta, dict) else {}), tensors
+
+    async def _get_state(
+        self, peer: PeerID, block: int, max_bytes: int | None
+    ) -> tuple[dict[str, Any], list[runtime_pb2.Tensor]]:
+        stub = BlockService.get_stub(self.p2p, peer, namespace=namespace(self.run_id, block))
+        msg = runtime_pb2.ExpertRequest(metadata=encode_meta({"v": WIRE_VERSION, "block_index": int(block)}))
+        self.traffic.sent(msg.ByteSize())
+        responses = await stub.rpc_state(msg)
+        return await self._collect(str(peer), responses, max_tensors=4096, max_bytes=max_bytes)
+
+    # -- blocking helpers -------------------------------------------------------------------
+    def _need_loop(self) -> LoopThread:
+        if self.loop is None:
+            raise RuntimeError("HopClient was built without loop=LoopThread; use the async methods")
+        return self.loop
+
+    def forward_sync(self, peer_id: str | PeerID, request: HopRequest, timeout: float | None = None) -> HopResponse:
+        return self._need_loop().run(self.forward(peer_id, request, timeout))
+
+    def get_block_state_sync(
+        self, peer_id: str | PeerID, block_index: int, timeout: float | None = None, *, max_bytes: int | None = None,
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        return self._need_loop().run(self.get_block_state(peer_id, block_index, timeout, max_bytes=max_bytes))
+
+
+def _raise_if_failed(peer: str, meta: dict[str, Any]) -> None:
+    if meta.get("ok") is True:
+        return
+    code = meta.get("code") if isinstance(meta.get("code"), str) else "bad_response"
+    reason = meta.get("reason") if isinstance(meta.get("reason"), str) else f"unexpected answer {meta!r}"
+    raise RemoteHopError(peer, code, reason)
+
+
+def _transport_error(peer: str, block: int, e: BaseException) -> RemoteHopError:
+    text = str(e) or type(e).__name__
+    low = text.lower()
+    if "protocol" in low and ("not supported" in low or "negotiate" in low):
+        return RemoteHopError(peer, "unknown_block", f"the peer does not serve block {block} of this run ({text})")
+    if isinstance(e, P2PHandlerError):
+        return RemoteHopError(peer, "remote_failure", text)
+    return RemoteHopError(peer, "unreachable", f"{type(e).__name__}: {text}")

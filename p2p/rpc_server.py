@@ -1,0 +1,263 @@
+"""Server side of the block RPC: one hivemind ``ServicerBase`` service per held block, one namespace each.
+
+Handlers (namespaced ``bt_<run>_b<block>::BlockService.<name>``):
+
+* ``rpc_forward``        unary hop (request and response below ~2 MB),
+* ``rpc_forward_stream`` streamed hop (any size up to ``HopLimits.max_request_bytes``),
+* ``rpc_state``          streamed download of the block's state (metadata + named tensors).
+
+Every request is validated (metadata, block, dtypes, shapes, sizes, then cheap value checks) before
+the node's ``hop_handler`` runs; the handler runs in a worker thread so the event loop keeps serving.
+Failures go back as ``{"ok": false, "code", "reason"}`` responses; the service never dies on a bad call.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, AsyncIterator  # hivemind only recognises typing.AsyncIterator as a stream hint
+
+import torch
+from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from blocktrain.p2p.errors import HopRequestError
+from blocktrain.p2p.hops import (
+    WIRE_VERSION, HopLimits, check_hop_headers, check_hop_output, check_hop_values, check_state_header,
+    decode_meta, encode_meta, error_response, namespace, parse_request_meta,
+)
+from blocktrain.p2p.tensors import DEFAULT_CHUNK_BYTES, TensorAssembler, decode_tensor, encode_tensor, split_parts
+from blocktrain.p2p.traffic import TrafficCounter
+
+__all__ = ["BlockService", "BlockRPCServer", "HopHandler", "StateProvider", "UNARY_LIMIT_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+HopHandler = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]]
+StateProvider = Callable[[int], tuple[dict[str, Any], dict[str, torch.Tensor]]]
+UNARY_LIMIT_BYTES = 2_000_000  # hivemind's unary messages are capped at 4 MiB; stay well below
+DRAIN_TIMEOUT_S = 5.0
+
+
+def _ok_meta(request_id: str, **extra: Any) -> bytes:
+    return encode_meta({"v": WIRE_VERSION, "ok": True, "request_id": request_id, **extra})
+
+
+class BlockService(ServicerBase):
+    """The RPC handlers for one block."""
+
+    def __init__(
+        self, block_index: int, limits: HopLimits, hop_handler: HopHandler, state_provider: StateProvider | None,
+        *, traffic: TrafficCounter, executor: ThreadPoolExecutor, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        unary_limit: int = UNARY_LIMIT_BYTES,
+    ):
+        self.block_index = block_index
+        self.limits = limits
+        self.hop_handler = hop_handler
+        self.state_provider = state_provider
+        self.traffic = traffic
+        self.chunk_bytes = chunk_bytes
+        self.unary_limit = unary_limit
+        self._executor = executor
+        self._sem: asyncio.Semaphore | None = None
+
+    # -- hops -------------------------------------------------------------------------------
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        self.traffic.received(request.ByteSize())
+        rid = ""
+        try:
+            meta = decode_meta(request.metadata, "request metadata")
+            rid, _, want = parse_request_meta(meta, self.block_index, self.limits)
+            tensors = list(request.tensors)
+            response_bytes = check_hop_headers(tensors, self.limits, want)
+            if response_bytes > self.unary_limit:
+                raise HopRequestError(
+                    "use_stream", f"the answer would be {response_bytes} bytes: use rpc_forward_stream"
+                )
+            response = await self._run_hop(rid, tensors, want)
+        except Exception as e:
+            response = self._failure(e, rid, context)
+        self.traffic.sent(response.ByteSize())
+        return response
+
+    async def rpc_forward_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        rid = ""
+        consumed = False
+        try:
+            assembler = TensorAssembler(self.limits.max_request_bytes, max_tensors=3, what="request")
+            want, first = False, True
+            async for msg in requests:
+                self.traffic.received(msg.ByteSize())
+                if first:
+                    meta = decode_meta(msg.metadata, "request metadata")
+                    rid, _, want = parse_request_meta(meta, self.block_index, self.limits)
+                    first = False
+                for part in msg.tensors:
+                    if part.dtype and not assembler.headers:  # the state header: reject a wrong shape early
+                        check_state_header(part, self.limits)
+                    assembler.feed(part)
+            consumed = True
+            if first:
+                raise HopRequestError("malformed", "empty request stream")
+            tensors = assembler.finish()
+            check_hop_headers(tensors, self.limits, want)
+            response = await self._run_hop(rid, tensors, want)
+        except Exception as e:
+            response = self._failure(e, rid, context)
+        for msg in self._split(response):
+            self.traffic.sent(msg.ByteSize())
+            yield msg
+        if not consumed:
+            await self._discard_rest(requests)
+
+    async def _discard_rest(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
+        """After refusing a stream early, read and drop what the client still sends (bounded in time).
+
+        Closing a libp2p stream with unread data resets it, and the reset can overtake our error
+        answer; draining lets the answer arrive. The client stops sending as soon as it reads it.
+        """
+        try:
+            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                async for msg in requests:
+                    self.traffic.received(msg.ByteSize())
+        except Exception:  # timeout or the client went away: either way we are done
+            pass
+
+    async def _run_hop(self, rid: str, tensors: list[runtime_pb2.Tensor], want: bool) -> runtime_pb2.ExpertResponse:
+        state = decode_tensor(tensors[0], "state")
+        ctx = decode_tensor(tensors[1], "context")
+        sigmas = decode_tensor(tensors[2], "sigmas")
+        check_hop_values(ctx, sigmas, self.limits)
+        if self._sem is None:
+            self._sem = asyncio.Semaphore(self.limits.max_inflight)
+        async with self._sem:
+            loop = asyncio.get_running_loop()
+            try:
+                out, logits = await loop.run_in_executor(
+                    self._executor, self.hop_handler, self.block_index, state, ctx, sigmas, want
+                )
+            except Exception as e:
+                raise HopRequestError("internal", f"hop handler failed: {type(e).__name__}: {e}") from e
+        check_hop_output(out, logits, state, want, self.limits.vocab_size)
+        pbs = [encode_tensor(out.to(state.dtype))]
+        if want:
+            pbs.append(encode_tensor(logits))
+        self.traffic.call(ok=True)
+        return runtime_pb2.ExpertResponse(metadata=_ok_meta(rid, has_logits=want), tensors=pbs)
+
+    def _failure(self, e: Exception, rid: str, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        self.traffic.call(ok=False)
+        if isinstance(e, HopRequestError):
+            logger.info("refused hop from %s: %s", context.remote_id, e)
+            return error_response(e.code, e.reason, rid)
+        logger.exception("unexpected failure serving a hop from %s", context.remote_id)
+        return error_response("internal", f"{type(e).__name__}: {e}", rid)
+
+    def _split(self, response: runtime_pb2.ExpertResponse) -> list[runtime_pb2.ExpertResponse]:
+        """First message: metadata (+ first part); then one tensor part per message."""
+        parts = [p for pb in response.tensors for p in split_parts(pb, self.chunk_bytes)]
+        if not parts:
+            return [response]
+        msgs = [runtime_pb2.ExpertResponse(metadata=response.metadata, tensors=[parts[0]])]
+        msgs += [runtime_pb2.ExpertResponse(tensors=[p]) for p in parts[1:]]
+        return msgs
+
+    # -- state download ---------------------------------------------------------------------
+    async def rpc_state(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        self.traffic.received(request.ByteSize())
+        try:
+            meta = decode_meta(request.metadata, "request metadata")
+            block = meta.get("block_index")
+            if meta.get("v") != WIRE_VERSION:
+                raise HopRequestError("malformed", f"wire version {meta.get('v')!r} not supported")
+            if block != self.block_index or isinstance(block, bool):
+                raise HopRequestError("unknown_block", f"this service serves block {self.block_index}, not {block!r}")
+            if self.state_provider is None:
+                raise HopRequestError("unknown_block", f"this node does not share the state of block {block}")
+            loop = asyncio.get_running_loop()
+            try:
+                state_meta, tensors = await loop.run_in_executor(self._executor, self.state_provider, block)
+            except Exception as e:
+                raise HopRequestError("internal", f"state provider failed: {type(e).__name__}: {e}") from e
+            names = list(tensors)
+            if not all(isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in tensors.items()):
+                raise HopRequestError("internal", "state provider must return dict[str, Tensor]")
+            try:
+                head = _ok_meta(meta.get("request_id", ""), meta=state_meta, names=names)
+            except (TypeError, ValueError) as e:
+                raise HopRequestError("internal", f"state metadata is not JSON-serialisable: {e}") from e
+        except Exception as e:
+            msg = self._failure(e, "", context)
+            self.traffic.sent(msg.ByteSize())
+            yield msg
+            return
+        self.traffic.call(ok=True)
+        first = runtime_pb2.ExpertResponse(metadata=head)
+        self.traffic.sent(first.ByteSize())
+        yield first
+        loop = asyncio.get_running_loop()
+        for name in names:
+            pb = await loop.run_in_executor(self._executor, encode_tensor, tensors[name])  # big copies off-loop
+            for part in split_parts(pb, self.chunk_bytes):
+                msg = runtime_pb2.ExpertResponse(tensors=[part])
+                self.traffic.sent(msg.ByteSize())
+                yield msg
+
+
+class BlockRPCServer:
+    """Registers a :class:`BlockService` per held block on a hivemind ``P2P`` (e.g. ``await dht.replicate_p2p()``).
+
+    Must be used from the event loop that owns ``p2p``.
+    """
+
+    def __init__(
+        self, p2p: P2P, run_id: str, limits: HopLimits, hop_handler: HopHandler,
+        state_provider: StateProvider | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        unary_limit: int = UNARY_LIMIT_BYTES,
+    ):
+        namespace(run_id, 0)  # validates run_id
+        self.p2p = p2p
+        self.run_id = run_id
+        self.limits = limits
+        self.hop_handler = hop_handler
+        self.state_provider = state_provider
+        self.chunk_bytes = chunk_bytes
+        self.unary_limit = unary_limit
+        self.traffic = TrafficCounter()
+        self._executor = ThreadPoolExecutor(max_workers=limits.max_inflight + 1, thread_name_prefix="bt-hop")
+        self._services: dict[int, BlockService] = {}
+
+    @property
+    def served_blocks(self) -> list[int]:
+        return sorted(self._services)
+
+    async def add_block(self, block_index: int) -> None:
+        if block_index not in self.limits.allowed_blocks:
+            allowed = sorted(self.limits.allowed_blocks)
+            raise ValueError(f"block {block_index} is not in HopLimits.allowed_blocks {allowed}")
+        if block_index in self._services:
+            return
+        svc = BlockService(
+            block_index, self.limits, self.hop_handler, self.state_provider, traffic=self.traffic,
+            executor=self._executor, chunk_bytes=self.chunk_bytes, unary_limit=self.unary_limit,
+        )
+        await svc.add_p2p_handlers(self.p2p, namespace=namespace(self.run_id, block_index))
+        self._services[block_index] = svc
+
+    async def remove_block(self, block_index: int) -> None:
+        svc = self._services.pop(block_index, None)
+        if svc is not None:
+            await svc.remove_p2p_handlers(self.p2p, namespace=namespace(self.run_id, block_index))
+
+    async def close(self) -> None:
+        for b in list(self._services):
+            try:
+                await self.remove_block(b)
+            except Exception as e:  # the daemon may already be gone
+                logger.debug("removing handlers of block %d: %s", b, e)
+        self._executor.shutdown(wait=False, cancel_futures=True)

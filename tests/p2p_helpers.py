@@ -1,0 +1,195 @@
+"""Helpers for the p2p tests: real node processes on 127.0.0.1 that are always cleaned up, and a rogue writer.
+
+``NodeProc`` runs ``python -m blocktrain.p2p._testnode`` in its own session (process group), so
+teardown can kill the node together with its DHT process and p2pd daemons.
+
+Run as a script (``python tests/p2p_helpers.py rogue ...``) this file is a *hostile* DHT peer: it
+signs with its own key but writes (1) under a victim's subkey, (2) schema-violating values and (3)
+well-formed announcements that claim the victim's peer id. It prints one JSON line and exits.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+NODE_MODULE = "blocktrain.p2p._testnode"
+
+
+class NodeCommandError(Exception):
+    def __init__(self, error: str, message: str):
+        super().__init__(f"{error}: {message}")
+        self.error = error
+        self.message = message
+
+
+class NodeProc:
+    """A test node process speaking JSON lines on stdin/stdout."""
+
+    def __init__(self, name: str, args: Sequence[str], log_dir: Path, module: str = NODE_MODULE):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._log, text=True, bufsize=1, start_new_session=True,
+        )
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        self.info: dict[str, Any] = {}
+
+    def _pump(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _next(self, timeout: float) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"node {self.name} gave no answer within {timeout}s; log: {self.log_tail()}") from None
+        if line is None:
+            raise RuntimeError(f"node {self.name} exited (rc={self.proc.poll()}); log: {self.log_tail()}")
+        return json.loads(line)
+
+    def log_tail(self, n: int = 1500) -> str:
+        self._log.flush()
+        try:
+            return self.log_path.read_text()[-n:]
+        except OSError:
+            return "<no log>"
+
+    def wait_ready(self, timeout: float = 90) -> dict[str, Any]:
+        ev = self._next(timeout)
+        if ev.get("event") != "ready":
+            raise NodeCommandError(ev.get("error", "NotReady"), ev.get("message", str(ev)))
+        self.info = ev
+        return ev
+
+    @property
+    def peer_id(self) -> str:
+        return self.info["peer_id"]
+
+    @property
+    def maddrs(self) -> list[str]:
+        return self.info["maddrs"]
+
+    def cmd(self, cmd: str, timeout: float = 30, **kwargs: Any) -> Any:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **kwargs}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._next(timeout)
+        if not reply.get("ok"):
+            raise NodeCommandError(reply.get("error", "?"), reply.get("message", ""))
+        return reply["result"]
+
+    def request_quit(self) -> None:
+        try:
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                self.proc.stdin.write('{"cmd": "quit"}\n')
+                self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+
+    def kill(self, grace: float = 8.0) -> None:
+        """Wait up to ``grace`` s for a clean exit, then kill the whole process group."""
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(0.3 if sig == signal.SIGTERM else 0)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+        self._log.close()
+
+
+def stop_all(nodes: Iterable[NodeProc]) -> None:
+    nodes = list(nodes)
+    for n in nodes:
+        n.request_quit()
+    for n in nodes:
+        n.kill()
+
+
+def group_alive(pid: int) -> bool:
+    """Whether any process of the process group ``pid`` is still alive."""
+    try:
+        os.killpg(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+# -- rogue peer (script mode) --------------------------------------------------------------------
+def rogue_main(argv: list[str]) -> None:
+    import argparse
+
+    from hivemind.dht import DHT
+    from hivemind.dht.crypto import RSASignatureValidator
+    from hivemind.dht.validation import DHTRecord
+    from hivemind.utils.crypto import RSAPrivateKey
+    from hivemind.utils.timed_storage import get_dht_time
+
+    from blocktrain.p2p.dht_schema import blocks_key, owner_marker
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--peer", required=True)
+    p.add_argument("--run-id", required=True)
+    p.add_argument("--config-hash", required=True)
+    p.add_argument("--victim-peer-id", required=True)
+    p.add_argument("--victim-public-key", required=True)
+    a = p.parse_args(argv)
+
+    class ForgingSigner(RSASignatureValidator):
+        """Signs every record with the rogue's key (whoever the subkey names) and accepts anything."""
+
+        def sign_value(self, record: DHTRecord) -> bytes:
+            return record.value + self.SIGNATURE_FORMAT.replace(b"_value_", self._private_key.sign(
+                self._serialize_record(record)))
+
+        def validate(self, record: DHTRecord) -> bool:
+            return True
+
+    key = RSAPrivateKey()
+    dht = DHT(initial_peers=[a.peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+              record_validators=[ForgingSigner(key)])
+    try:
+        victim_marker = b"[owner:" + a.victim_public_key.encode() + b"]"
+        base = dict(peer_id=a.victim_peer_id, block_index=0, state="online", step=999, samples_seen=0,
+                    throughput=1.0, load=0.0, serving=True, addresses=[], software_version="rogue",
+                    config_hash=a.config_hash, run_id=a.run_id)
+        exp = get_dht_time() + 30
+        k = blocks_key(a.run_id)
+        results = {
+            "forge": dht.store(k, base, exp, subkey=b"0" + victim_marker),
+            "invalid": dht.store(k, {**base, "block_index": "4", "load": 7.0}, exp, subkey=b"4" + owner_marker(key)),
+            "impersonate": dht.store(k, {**base, "block_index": 5}, exp, subkey=b"5" + owner_marker(key)),
+        }
+        print(json.dumps({"results": results, "rogue_owner": key.get_public_key().to_bytes().decode()[-24:]}),
+              flush=True)
+    finally:
+        dht.shutdown()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "rogue":
+        rogue_main(sys.argv[2:])
+    else:
+        sys.exit("usage: python tests/p2p_helpers.py rogue --peer MADDR --run-id R --config-hash H "
+                 "--victim-peer-id P --victim-public-key KEY")
