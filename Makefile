@@ -1,0 +1,10 @@
+# torch 2.13.0 first: the CPU wheel on the project's machines' local disk (elsewhere: the normal release).
+PY ?= python
+
+.PHONY: install test
+install:
+	$(PY) -m pip install "torch==2.13.0"
+	$(PY) -m pip install -e ".[dev]"
+
+test:
+	$(PY) -m pytest -q
