@@ -107,13 +107,15 @@ def _common(checkpoint_dir, run_id, **kw) -> NodeOptions:
 
 @click.command("seed")
 @click.option("--run-id", required=True, help="Name of the new run (letters, digits, '_' or '-').")
+@click.option("--initial-peers", multiple=True, metavar="MULTIADDR",
+              help="Start the run on an existing DHT (any of its nodes); default: a new network.")
 @click.option("--data", default="auto", show_default=True,
               help="Data spec every node trains on: a path or wikitext-2/-103; 'auto' = shared WikiText-2 "
                    "if present, else HF wikitext-2, else the Python standard library's text.")
 @config_options
 @node_options
 @friendly
-def seed(run_id, data, config_path, objective, overrides, checkpoint_dir, block, device, host, port,
+def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpoint_dir, block, device, host, port,
          announce_host, http_port, http_host, average_every, average_period, checkpoint_every, max_steps,
          sample_seed, ready_file, quiet):
     """Start the first node of a NEW run: publish its manifest, hold a block, print the address.
@@ -123,7 +125,9 @@ def seed(run_id, data, config_path, objective, overrides, checkpoint_dir, block,
       bt-node seed --run-id demo --config run.toml --port 31337 --http-port 8000
     """
     cfg = build_config(config_path, objective, overrides)
-    opts = _common(checkpoint_dir, run_id, config=cfg, data=data, block=0 if block is None else block,
+    from ..p2p.addresses import parse_initial_peers
+    opts = _common(checkpoint_dir, run_id, config=cfg, data=data,
+                   initial_peers=parse_initial_peers(list(initial_peers)), block=0 if block is None else block,
                    device=device, host=host, port=port, announce_host=announce_host, http_port=http_port,
                    http_host=http_host, average_every=average_every, average_period=average_period,
                    checkpoint_every=checkpoint_every, max_steps=max_steps, seed=sample_seed)

@@ -1,0 +1,98 @@
+"""Network CLI commands: the swarm JSON contract, and clear one-line errors for bad input."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from blocktrain.node.launcher import LocalSwarm
+from blocktrain.node.swarm import SWARM_DEFAULTS, plan_blocks
+
+from helpers import need_wikitext
+
+TINY_SETS = [x for kv in SWARM_DEFAULTS + ["n_blocks=2"] for x in ("--set", kv)]
+
+
+def bt(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "blocktrain.cli.main", *args], capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def one_line_error(r, *needles):
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]
+    err = r.stderr.strip().splitlines()[-1]
+    assert err.startswith("Error:"), err
+    for n in needles:
+        assert n in err, (n, err)
+
+
+def test_plan_blocks_covers_every_block_then_replicates():
+    assert plan_blocks(5, 4) == [0, 1, 2, 3, 1]
+    assert plan_blocks(6, 4) == [0, 1, 2, 3, 1, 2]
+    with pytest.raises(ValueError):
+        plan_blocks(3, 4)
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_swarm_command_json_contract(tmp_path):
+    data = need_wikitext()
+    r = bt("swarm", "--nodes", "3", "--budget", "15s", "--data", str(data), "--set", "n_blocks=2",
+           "--workdir", str(tmp_path / "sw"), "--json", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    for key in ("chain_ce", "ce_kind", "averaging_rounds", "generated", "route", "nodes", "seconds", "protocol"):
+        assert key in res, key
+    assert res["ce_kind"] == "exact" and res["protocol"] == "wt2-offline"
+    assert res["chain_ce"] < math.log(256)
+    assert len(res["nodes"]) == 3 and [h["block"] for h in res["route"]] == [0, 1]
+    assert len(res["generated"]) > 0
+    assert res["averaging_rounds"] >= 1   # block 1 is held twice
+    leftovers = subprocess.run(["pgrep", "-f", str(tmp_path / "sw")], capture_output=True, text=True).stdout
+    assert leftovers.strip() == "", f"processes left behind: {leftovers}"
+
+
+def test_bad_network_flags_are_usage_errors():
+    r = bt("join")
+    assert r.returncode == 2 and "--initial-peers" in r.stderr
+    r = bt("join", "--initial-peers", "not-a-multiaddr")
+    one_line_error(r, "not-a-multiaddr")
+    r = bt("generate", "hi")
+    assert r.returncode == 2 and "exactly one of" in r.stderr
+    r = bt("seed", "--run-id", "bad.id", "--set", "n_blocks=2")
+    one_line_error(r, "run id")
+    r = bt("generate", "hi", "--http", "http://127.0.0.1:9")
+    one_line_error(r, "cannot reach")
+
+
+@pytest.mark.network
+def test_unreachable_peer_gives_one_line_error():
+    r = bt("join", "--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmSDpxpQWKH63Xpf7SKw8tvFw4JH2yzKucxC7KWNBHzby5",
+           "--checkpoint-dir", "/tmp/bt-unreachable-test", timeout=180)
+    one_line_error(r)
+
+
+@pytest.mark.network
+@pytest.mark.slow
+def test_missing_run_and_config_mismatch_are_refused(tmp_path):
+    data = need_wikitext()
+    sw = LocalSwarm(tmp_path / "one", run_id="errtest", overrides=SWARM_DEFAULTS + ["n_blocks=2"], data=str(data))
+    try:
+        sw.start_seed(block=0, args=["--max-steps", "5"])
+        r = bt("join", "--initial-peers", sw.seed_maddr, "--run-id", "nosuchrun",
+               "--checkpoint-dir", str(tmp_path / "j1"), timeout=180)
+        one_line_error(r, "nosuchrun")
+        r = bt("seed", "--run-id", "errtest", "--initial-peers", sw.seed_maddr, *TINY_SETS, "--set", "d_model=48",
+               "--checkpoint-dir", str(tmp_path / "j2"), timeout=180)
+        one_line_error(r, "errtest")
+        r = bt("status", "--initial-peers", sw.seed_maddr, "--run-id", "errtest", "--json", timeout=180)
+        assert r.returncode == 0, r.stderr[-2000:]
+        st = json.loads(r.stdout)
+        assert st["run"]["run_id"] == "errtest" and len(st["blocks"]) == 2
+        assert st["blocks"][0]["holders"] and not st["blocks"][1]["holders"]
+    finally:
+        sw.stop_all()
