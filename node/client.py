@@ -46,7 +46,7 @@ class NetworkClient:
             raise
 
     def _only_run(self) -> str:
-        runs = self.discovery.list_runs() if hasattr(self.discovery, "list_runs") else []
+        runs = self.discovery.list_runs()
         if len(runs) == 1:
             return runs[0]
         if not runs:

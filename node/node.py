@@ -78,17 +78,22 @@ class Node:
     def start(self) -> "Node":
         o = self.opts
         o.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        fresh_identity = not (o.checkpoint_dir / "identity.key").exists()
         self.identity = NodeIdentity.load_or_create(o.checkpoint_dir / "identity.key")
+        # hivemind's "is this identity already used in the swarm?" probe waits ~30 s for a DHT
+        # lookup to time out; a key generated a moment ago cannot be in use, so skip it then
+        dht_extra = {"check_if_identity_free": False} if fresh_identity else {}
         host = f"/ip4/{o.host}/tcp/{o.port}"
         announce = [f"/ip4/{o.announce_host}/tcp/{o.port}"] if o.announce_host and o.port else None
         self.discovery = Discovery.start(identity=self.identity, initial_peers=o.initial_peers,
                                          host_maddrs=[host], announce_maddrs=announce,
-                                         run_ids=[o.run_id] if o.run_id else [], ttl=o.ttl)
+                                         run_ids=[o.run_id] if o.run_id else [], ttl=o.ttl, **dht_extra)
         self.peer_id = self.discovery.peer_id
         self._resolve_run()
         self._build_trainer()
         self._start_rpc()
-        self.averager = BlockAverager(self.discovery.dht, self.trainer, self.run_id, peer_id=self.peer_id)
+        self.averager = BlockAverager(self.discovery.dht, self.trainer, self.run_id, peer_id=self.peer_id,
+                                      compression=o.averaging_compression)
         self._late_join()
         self.state = "online"
         self.discovery.start_announcing(self.announcement)
@@ -127,7 +132,7 @@ class Node:
         self.run_id = self.manifest.run_id
 
     def _only_run(self) -> str:
-        runs = self.discovery.list_runs() if hasattr(self.discovery, "list_runs") else []
+        runs = self.discovery.list_runs()
         if len(runs) == 1:
             return runs[0]
         if not runs:
@@ -155,7 +160,8 @@ class Node:
         p2p = self.loop.run(self.discovery.dht.replicate_p2p(), timeout=30)
         limits = HopLimits(allowed_blocks=frozenset({b}), max_batch=64, max_seq=cfg.seq_len,
                            state_dim=get_objective(cfg).state_dim(), vocab_size=cfg.vocab_size)
-        self.server = BlockRPCServer(p2p, self.run_id, limits, self._serve_hop, self._serve_state)
+        self.server = BlockRPCServer(p2p, self.run_id, limits, self._serve_hop, self._serve_state,
+                                     inject_delay_s=self.opts.inject_delay_ms / 1000.0)
         self.loop.run(self.server.add_block(b), timeout=30)
         self.client = HopClient(p2p, self.run_id, loop=self.loop)
         self.router = Router(self.discovery, self.client, self.run_id, cfg.n_blocks,

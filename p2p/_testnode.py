@@ -67,7 +67,7 @@ async def _local_entries(_dht: DHT, node: DHTNode, key: str) -> list[dict[str, A
     return out
 
 
-class TestNode:
+class ControlledNode:
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.identity = NodeIdentity.load_or_create(args.identity) if args.identity else None
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     args = parse_args(argv)
     try:
-        node = TestNode(args)
+        node = ControlledNode(args)
     except Exception as e:
         _reply({"event": "failed", "error": type(e).__name__, "message": str(e)})
         sys.exit(2)

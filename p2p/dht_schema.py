@@ -119,4 +119,5 @@ def run_schema_validator(run_id: str) -> SchemaValidator:
 
 def make_validators(record_key: RSAPrivateKey, run_ids: list[str] | tuple[str, ...] = ()) -> list[RecordValidatorBase]:
     """The validators every BlockTrain DHT node runs: signatures always, schemas for the runs it follows."""
-    return [RSASignatureValidator(record_key), *(run_schema_validator(r) for r in run_ids)]
+    from blocktrain.p2p.run_index import run_index_validator
+    return [RSASignatureValidator(record_key), run_index_validator(), *(run_schema_validator(r) for r in run_ids)]

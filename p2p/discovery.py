@@ -35,6 +35,7 @@ from blocktrain.p2p.errors import (
     RecordError, RunNotFoundError,
 )
 from blocktrain.p2p.identity import NodeIdentity, peer_id_from_public_key
+from blocktrain.p2p.run_index import RUNS_KEY, parse_run_index, run_subkey
 from blocktrain.p2p.records import PROTOCOL_VERSION, BlockAnnouncement, RunManifest, validate_run_id
 
 __all__ = [
@@ -211,6 +212,18 @@ class Discovery:
         if not ok:
             raise DiscoveryError(f"storing the manifest of run {manifest.run_id!r} was refused by every DHT node")
         self._run_hash[manifest.run_id] = manifest.config_hash
+        entry = {"run_id": manifest.run_id, "config_hash": manifest.config_hash,
+                 "created_at": float(manifest.created_at)}
+        await self.dht.store(RUNS_KEY, entry, get_dht_time() + ttl,
+                             subkey=run_subkey(manifest.run_id, owner_marker(self.record_key)), return_future=True)
+
+    async def alist_runs(self) -> list[str]:
+        found = await self.dht.get(RUNS_KEY, latest=True, return_future=True)
+        return parse_run_index(found)
+
+    def list_runs(self) -> list[str]:
+        """Ids of the runs published in this DHT (through the signed run index)."""
+        return self._sync(self.alist_runs(), "list_runs")
 
     def publish_manifest(self, manifest: RunManifest, *, ttl: float = MANIFEST_TTL) -> None:
         """Publish the run manifest signed by this node's key (the node becomes the run's seeder)."""

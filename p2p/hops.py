@@ -43,7 +43,10 @@ def namespace(run_id: str, block_index: int) -> str:
 
 @dataclass(frozen=True)
 class HopLimits:
-    """What a server accepts. Everything is checked before the hop handler runs."""
+    """What a server accepts. Everything is checked before the hop handler runs.
+
+    ``allowed_blocks`` may be given as any collection of ints; it is stored as a frozenset.
+    """
 
     allowed_blocks: frozenset[int]
     max_batch: int

@@ -9,6 +9,10 @@ Handlers (namespaced ``bt_<run>_b<block>::BlockService.<name>``):
 Every request is validated (metadata, block, dtypes, shapes, sizes, then cheap value checks) before
 the node's ``hop_handler`` runs; the handler runs in a worker thread so the event loop keeps serving.
 Failures go back as ``{"ok": false, "code", "reason"}`` responses; the service never dies on a bad call.
+
+Private runs: with an ``authorize(peer_id) -> bool`` callback (``BlockRPCServer(authorize=...)``), every
+handler first checks the caller's libp2p peer id (``context.remote_id``, authenticated by the secure
+channel) and refuses others with code ``unauthorized`` before reading their request.
 """
 from __future__ import annotations
 
@@ -47,12 +51,29 @@ def _ok_meta(request_id: str, **extra: Any) -> bytes:
 class BlockService(ServicerBase):
     """The RPC handlers for one block."""
 
+    authorize: Callable[[str], bool] | None = None   # private runs: may this peer id call us?
+
+    def _check_caller(self, context: P2PContext) -> None:
+        if self.authorize is None:
+            return
+        caller = str(context.remote_id)
+        try:
+            ok = bool(self.authorize(caller))
+        except Exception:  # a broken policy refuses rather than lets everyone in
+            ok = False
+        if not ok:
+            raise HopRequestError("unauthorized", f"peer {caller} is not allowed to call this node "
+                                                  f"(private run: ask the run's operator to allow this peer id)")
+
     def __init__(
         self, block_index: int, limits: HopLimits, hop_handler: HopHandler, state_provider: StateProvider | None,
         *, traffic: TrafficCounter, executor: ThreadPoolExecutor, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        unary_limit: int = UNARY_LIMIT_BYTES,
+        unary_limit: int = UNARY_LIMIT_BYTES, inject_delay_s: float = 0.0,
     ):
         self.block_index = block_index
+        # benchmark/testing knob (``--inject-delay-ms``): sleep this one-way delay after a hop request
+        # has arrived and again before its answer leaves, so each hop's round trip gains 2x the delay
+        self.inject_delay_s = inject_delay_s
         self.limits = limits
         self.hop_handler = hop_handler
         self.state_provider = state_provider
@@ -65,8 +86,10 @@ class BlockService(ServicerBase):
     # -- hops -------------------------------------------------------------------------------
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self.traffic.received(request.ByteSize())
+        await self._inject_delay()       # the request's one-way trip
         rid = ""
         try:
+            self._check_caller(context)
             meta = decode_meta(request.metadata, "request metadata")
             rid, _, want = parse_request_meta(meta, self.block_index, self.limits)
             tensors = list(request.tensors)
@@ -78,6 +101,7 @@ class BlockService(ServicerBase):
             response = await self._run_hop(rid, tensors, want)
         except Exception as e:
             response = self._failure(e, rid, context)
+        await self._inject_delay()       # the answer's one-way trip
         self.traffic.sent(response.ByteSize())
         return response
 
@@ -87,6 +111,7 @@ class BlockService(ServicerBase):
         rid = ""
         consumed = False
         try:
+            self._check_caller(context)
             assembler = TensorAssembler(self.limits.max_request_bytes, max_tensors=3, what="request")
             want, first = False, True
             async for msg in requests:
@@ -104,14 +129,20 @@ class BlockService(ServicerBase):
                 raise HopRequestError("malformed", "empty request stream")
             tensors = assembler.finish()
             check_hop_headers(tensors, self.limits, want)
+            await self._inject_delay()   # the request's one-way trip
             response = await self._run_hop(rid, tensors, want)
         except Exception as e:
             response = self._failure(e, rid, context)
+        await self._inject_delay()       # the answer's one-way trip
         for msg in self._split(response):
             self.traffic.sent(msg.ByteSize())
             yield msg
         if not consumed:
             await self._discard_rest(requests)
+
+    async def _inject_delay(self) -> None:
+        if self.inject_delay_s > 0:
+            await asyncio.sleep(self.inject_delay_s)
 
     async def _discard_rest(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:
         """After refusing a stream early, read and drop what the client still sends (bounded in time).
@@ -171,6 +202,7 @@ class BlockService(ServicerBase):
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         self.traffic.received(request.ByteSize())
         try:
+            self._check_caller(context)
             meta = decode_meta(request.metadata, "request metadata")
             block = meta.get("block_index")
             if meta.get("v") != WIRE_VERSION:
@@ -218,9 +250,12 @@ class BlockRPCServer:
     def __init__(
         self, p2p: P2P, run_id: str, limits: HopLimits, hop_handler: HopHandler,
         state_provider: StateProvider | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        unary_limit: int = UNARY_LIMIT_BYTES,
+        unary_limit: int = UNARY_LIMIT_BYTES, inject_delay_s: float = 0.0,
     ):
         namespace(run_id, 0)  # validates run_id
+        if not 0.0 <= inject_delay_s <= 10.0:
+            raise ValueError(f"inject_delay_s must be in [0, 10] seconds, got {inject_delay_s}")
+        self.inject_delay_s = inject_delay_s
         self.p2p = p2p
         self.run_id = run_id
         self.limits = limits
@@ -245,6 +280,7 @@ class BlockRPCServer:
         svc = BlockService(
             block_index, self.limits, self.hop_handler, self.state_provider, traffic=self.traffic,
             executor=self._executor, chunk_bytes=self.chunk_bytes, unary_limit=self.unary_limit,
+            inject_delay_s=self.inject_delay_s,
         )
         await svc.add_p2p_handlers(self.p2p, namespace=namespace(self.run_id, block_index))
         self._services[block_index] = svc

@@ -89,7 +89,8 @@ def test_missing_run_and_config_mismatch_are_refused(tmp_path):
         r = bt("seed", "--run-id", "errtest", "--initial-peers", sw.seed_maddr, *TINY_SETS, "--set", "d_model=48",
                "--checkpoint-dir", str(tmp_path / "j2"), timeout=180)
         one_line_error(r, "errtest")
-        r = bt("status", "--initial-peers", sw.seed_maddr, "--run-id", "errtest", "--json", timeout=180)
+        # no --run-id: the signed run index in the DHT names the only live run
+        r = bt("status", "--initial-peers", sw.seed_maddr, "--json", timeout=180)
         assert r.returncode == 0, r.stderr[-2000:]
         st = json.loads(r.stdout)
         assert st["run"]["run_id"] == "errtest" and len(st["blocks"]) == 2
