@@ -27,7 +27,7 @@ class NetworkClient:
                                          run_ids=[run_id] if run_id else [])
         self.loop: LoopThread | None = None
         try:
-            self.run_id = run_id or self._only_run()
+            self.run_id = self.discovery.resolve_run(run_id)
             self.discovery.follow_run(self.run_id)
             m = self.discovery.get_manifest(self.run_id)
             if m is None:
@@ -44,14 +44,6 @@ class NetworkClient:
         except BaseException:
             self.close()
             raise
-
-    def _only_run(self) -> str:
-        runs = self.discovery.list_runs()
-        if len(runs) == 1:
-            return runs[0]
-        if not runs:
-            raise RunNotFoundError("no run found through the initial peers; pass --run-id")
-        raise ValueError(f"several runs are live ({', '.join(sorted(runs))}); pass --run-id")
 
     def holders(self):
         return self.discovery.list_holders(self.run_id)

@@ -119,7 +119,7 @@ class Node:
             d.publish_manifest(self.manifest)
             self.cfg = o.config
         else:
-            run_id = o.run_id or self._only_run()
+            run_id = d.resolve_run(o.run_id)
             d.follow_run(run_id)
             m = d.get_manifest(run_id)
             if m is None:
@@ -130,14 +130,6 @@ class Node:
                 raise ConfigMismatchError(f"run {run_id!r}: manifest config hashes to {self.cfg.config_hash}, "
                                           f"but announces {m.config_hash}")
         self.run_id = self.manifest.run_id
-
-    def _only_run(self) -> str:
-        runs = self.discovery.list_runs()
-        if len(runs) == 1:
-            return runs[0]
-        if not runs:
-            raise RunNotFoundError("no run found through the initial peers; pass --run-id")
-        raise ValueError(f"several runs are live ({', '.join(sorted(runs))}); pass --run-id")
 
     def _build_trainer(self) -> None:
         o, cfg = self.opts, self.cfg

@@ -225,6 +225,17 @@ class Discovery:
         """Ids of the runs published in this DHT (through the signed run index)."""
         return self._sync(self.alist_runs(), "list_runs")
 
+    def resolve_run(self, run_id: str | None) -> str:
+        """``run_id`` itself, or the only run in the index; a clear error when that is ambiguous."""
+        if run_id:
+            return validate_run_id(run_id)
+        runs = self.list_runs()
+        if len(runs) == 1:
+            return runs[0]
+        if not runs:
+            raise RunNotFoundError("no run found through the initial peers; pass --run-id")
+        raise RecordError(f"several runs are live ({', '.join(runs)}); pass --run-id")
+
     def publish_manifest(self, manifest: RunManifest, *, ttl: float = MANIFEST_TTL) -> None:
         """Publish the run manifest signed by this node's key (the node becomes the run's seeder)."""
         self._sync(self.apublish_manifest(manifest, ttl=ttl), "publish_manifest")
