@@ -3,10 +3,8 @@ routes generation/scoring/export through live holders. Used by ``bt-node generat
 ``export``, the swarm driver and the benchmarks."""
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
-import torch
 
 from ..blocks import checkpoint as ckpt
 from ..blocks.config import ModelConfig
@@ -16,7 +14,8 @@ from ..p2p.aioloop import LoopThread
 from ..p2p.discovery import Discovery
 from ..p2p.errors import RunNotFoundError
 from ..p2p.rpc_client import HopClient
-from .routing import BanList, RouteLog, Router
+from . import generation
+from .routing import BanList, Router
 
 
 class NetworkClient:
@@ -50,28 +49,11 @@ class NetworkClient:
 
     def generate(self, prompt: bytes, n_bytes: int, mode: str = "one_sweep", *, seed: int = 0,
                  temperature: float = 0.0) -> dict:
-        route = RouteLog()
-        hops = self.router.hops(route)
-        g = torch.Generator().manual_seed(seed)
-        t0 = time.perf_counter()
-        if mode == "one_sweep":
-            out = self.objective.generate_one_sweep(hops, prompt, n_bytes, temperature=temperature, generator=g)
-        elif mode == "autoregressive":
-            out = self.objective.generate_autoregressive(hops, prompt, n_bytes, temperature=temperature,
-                                                         generator=g)
-        else:
-            raise ValueError(f"unknown mode {mode!r}: use one_sweep or autoregressive")
-        return {"text": out.decode("utf-8", errors="replace"), "bytes": out, "mode": mode,
-                "route": route.route(), "traversals": route.calls // self.cfg.n_blocks,
-                "seconds": time.perf_counter() - t0, "failovers": route.failovers,
-                "bytes_out": route.bytes_out, "bytes_in": route.bytes_in}
+        return generation.generate(self.objective, self.router, prompt, n_bytes, mode, seed=seed,
+                                   temperature=temperature)
 
     def chain_ce(self, eval_data, n_windows: int = 16, k: int = 2) -> dict:
-        windows = eval_windows(eval_data, self.cfg.seq_len, n_windows)
-        route = RouteLog()
-        res = self.objective.score(self.router.hops(route), windows, k=k, generator=torch.Generator().manual_seed(0))
-        return {"chain_ce": res.ce, "chain_ce_k1": res.ce_k1, "ce_kind": res.ce_kind, "k": k,
-                "tokens": res.tokens, "route": route.route()}
+        return generation.score(self.objective, self.router, eval_windows(eval_data, self.cfg.seq_len, n_windows), k)
 
     def export(self, out: str | Path, timeout: float = 60.0) -> dict:
         """Pull every block from a live holder into ``out`` (safetensors per block + config.json)."""

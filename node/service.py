@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-import torch
+import numpy as np
 
 from ..blocks.data import eval_windows
-from .routing import RouteLog
+from . import generation
 
 
 class NodeBackend:
@@ -17,47 +17,28 @@ class NodeBackend:
     # -- generation and scoring -------------------------------------------------------------------
     def generate(self, prompt: bytes, max_bytes: int, mode: str, seed: int | None, temperature: float) -> dict:
         node = self.node
-        obj = node.trainer.objective
-        route = RouteLog()
-        hops = node.router.hops(route)
-        g = torch.Generator().manual_seed(seed if seed is not None else int(time.time() * 1000) % 2**31)
-        t0 = time.perf_counter()
-        if mode == "one_sweep":
-            out = obj.generate_one_sweep(hops, prompt, max_bytes, temperature=temperature, generator=g)
-        elif mode == "autoregressive":
-            out = obj.generate_autoregressive(hops, prompt, max_bytes, temperature=temperature, generator=g)
-        else:
-            raise ValueError(f"unknown mode {mode!r}: use one_sweep or autoregressive")
-        dt = time.perf_counter() - t0
-        return {"text": out.decode("utf-8", errors="replace"), "bytes_generated": len(out), "mode": mode,
-                "route": route.route(), "traversals": route.calls // max(1, node.cfg.n_blocks),
-                "latency_ms": round(dt * 1000, 2), "failovers": route.failovers,
-                "bytes_out": route.bytes_out, "bytes_in": route.bytes_in}
+        out = generation.generate(node.trainer.objective, node.router, prompt, max_bytes, mode, seed=seed,
+                                  temperature=temperature)
+        out.pop("bytes")
+        return out
 
     def score(self, text: bytes, k: int) -> dict:
-        node = self.node
-        cfg = node.cfg
-        data = torch.tensor(list(text), dtype=torch.uint8).numpy()
+        cfg = self.node.cfg
+        data = np.frombuffer(text, dtype=np.uint8)
         if len(data) < 2:
             raise ValueError("text must be at least 2 bytes")
         seq = min(cfg.seq_len, len(data) - 1)
-        n = max(1, min(16, (len(data) - 1) // seq))
-        windows = eval_windows(data, seq, n)
-        route = RouteLog()
-        res = node.trainer.objective.score(node.router.hops(route), windows, k=k,
-                                           generator=torch.Generator().manual_seed(0))
-        return {"ce": res.ce, "ce_kind": res.ce_kind, "bytes_scored": res.tokens, "k": res.k,
-                "route": route.route()}
+        windows = eval_windows(data, seq, max(1, min(16, (len(data) - 1) // seq)))
+        res = generation.score(self.node.trainer.objective, self.node.router, windows, k)
+        return {"ce": res["chain_ce"], "ce_kind": res["ce_kind"], "bytes_scored": res["tokens"], "k": res["k"],
+                "route": res["route"]}
 
     def held_out_ce(self, n_windows: int = 16, k: int = 2) -> dict:
         node = self.node
         windows = eval_windows(node.split.eval, node.cfg.seq_len, n_windows)
-        route = RouteLog()
-        res = node.trainer.objective.score(node.router.hops(route), windows, k=k,
-                                           generator=torch.Generator().manual_seed(0))
-        node.chain_ce_history.append((time.time(), res.ce))
-        return {"chain_ce": res.ce, "chain_ce_k1": res.ce_k1, "ce_kind": res.ce_kind, "k": k,
-                "tokens": res.tokens, "route": route.route()}
+        res = generation.score(node.trainer.objective, node.router, windows, k)
+        node.chain_ce_history.append((time.time(), res["chain_ce"]))
+        return res
 
     def average_now(self) -> dict:
         v = self.node.averager.round()
@@ -90,7 +71,9 @@ class NodeBackend:
             "losses": [[round(ts, 3), st, round(l, 5)] for ts, st, l in list(t.losses)[-200:]],
             "averaging": {"attempted": s.attempted, "succeeded": s.succeeded, "rejected": s.rejected,
                           "failed": s.failed, "last_round_time": s.last_round_time,
-                          "last_group_size": s.last_group_size, "last_verdict": s.last_verdict},
+                          "last_group_size": s.last_group_size, "last_verdict": s.last_verdict,
+                          "compression": s.compression, **a.traffic(),
+                          "history": [[round(ts, 3), g, ok, why] for ts, g, ok, why in list(s.history)]},
             "chain_ce": [[round(ts, 3), ce] for ts, ce in node.chain_ce_history[-100:]],
             "errors": node.errors[-10:],
         }
@@ -104,6 +87,7 @@ class NodeBackend:
              "averaging_rounds_succeeded_total": float(s.succeeded),
              "averaging_rounds_rejected_total": float(s.rejected),
              "averaging_rounds_failed_total": float(s.failed),
+             **{f"averaging_{k}_total": float(v) for k, v in node.averager.traffic().items()},
              "peers_banned_total": float(node.bans.total),
              "checkpoints_written_total": float(node.checkpoints_written)}
         for side, counter in (("server", getattr(node.server, "traffic", None)),

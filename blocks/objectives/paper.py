@@ -17,7 +17,6 @@ nothing between blocks.
 """
 from __future__ import annotations
 
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F

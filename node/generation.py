@@ -1,0 +1,34 @@
+"""Generation and scoring through a Router: the one place both the node's API and the client use."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .routing import RouteLog, Router
+
+
+def generate(objective, router: Router, prompt: bytes, n_bytes: int, mode: str, *, seed: int | None = 0,
+             temperature: float = 0.0) -> dict:
+    route = RouteLog()
+    hops = router.hops(route)
+    g = torch.Generator().manual_seed(seed if seed is not None else time.time_ns() % 2**31)
+    t0 = time.perf_counter()
+    if mode == "one_sweep":
+        out = objective.generate_one_sweep(hops, prompt, n_bytes, temperature=temperature, generator=g)
+    elif mode == "autoregressive":
+        out = objective.generate_autoregressive(hops, prompt, n_bytes, temperature=temperature, generator=g)
+    else:
+        raise ValueError(f"unknown mode {mode!r}: use one_sweep or autoregressive")
+    seconds = time.perf_counter() - t0
+    return {"text": out.decode("utf-8", errors="replace"), "bytes": out, "bytes_generated": len(out),
+            "mode": mode, "route": route.route(), "traversals": route.calls // router.n_blocks,
+            "seconds": seconds, "latency_ms": round(seconds * 1000, 2), "failovers": route.failovers,
+            "bytes_out": route.bytes_out, "bytes_in": route.bytes_in}
+
+
+def score(objective, router: Router, windows: torch.Tensor, k: int) -> dict:
+    route = RouteLog()
+    res = objective.score(router.hops(route), windows, k=k, generator=torch.Generator().manual_seed(0))
+    return {"chain_ce": res.ce, "chain_ce_k1": res.ce_k1, "ce_kind": res.ce_kind, "k": res.k,
+            "tokens": res.tokens, "route": route.route()}
