@@ -2,8 +2,8 @@
 
 Input at position t: the block's OWN embedding of the clean context byte x_t, plus a projection of
 the (already c_in-scaled) noisy state at t, plus a learned position embedding. The noise level
-conditions every layer through adaLN-Zero. Attention is causal, so the output at t depends only
-on positions <= t. The EDM preconditioning lives in ``precond.py``, not here (as in k-diffusion).
+conditions every layer through adaLN (adaLN-single: one shared projection, per-layer offsets).
+Attention is causal, so the output at t depends only on positions <= t. The EDM preconditioning lives in ``precond.py``, not here (as in k-diffusion).
 """
 from __future__ import annotations
 
@@ -24,12 +24,15 @@ class BlockDenoiser(nn.Module):
         self.state_proj = nn.Linear(in_dim or cfg.target_dim, d)
         self.noise_emb = NoiseEmbedding(d)
         self.layers = nn.ModuleList(
-            TransformerLayer(d, cfg.n_heads, cfg.mlp_ratio, cfg.dropout, cond_dim=d)
+            TransformerLayer(d, cfg.n_heads, cfg.mlp_ratio, cfg.dropout, modulated=True)
             for _ in range(n_layers or cfg.layers_per_block)
         )
+        self.modulation = nn.Sequential(nn.SiLU(), nn.Linear(d, 6 * d))   # adaLN-single, shared by layers
         self.norm_out = nn.LayerNorm(d)
         self.head = nn.Linear(d, out_dim)
         init_weights(self)
+        nn.init.zeros_(self.modulation[1].weight)   # zero modulation: layers start unconditioned
+        nn.init.zeros_(self.modulation[1].bias)
         nn.init.zeros_(self.head.weight)  # F starts at 0: D = c_skip * z, logits uninformative
         nn.init.zeros_(self.head.bias)
 
@@ -39,7 +42,7 @@ class BlockDenoiser(nn.Module):
         t = context.shape[1]
         pos = torch.arange(t, device=context.device)
         h = self.byte_emb(context) + self.pos_emb(pos) + self.state_proj(x_in)
-        cond = self.noise_emb(c_noise)
+        modulation = self.modulation(self.noise_emb(c_noise))
         for layer in self.layers:
-            h = layer(h, cond, attn_mask)
+            h = layer(h, modulation, attn_mask)
         return self.head(self.norm_out(h))
