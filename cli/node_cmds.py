@@ -1,6 +1,8 @@
 """bt-node seed / join / generate / status / export: the network commands (thin; logic in node/)."""
 from __future__ import annotations
 
+import contextvars
+import functools
 import json
 import signal
 import sys
@@ -22,19 +24,32 @@ def node_options(fn):
         click.option("--checkpoint-dir", type=click.Path(file_okay=False), default=None,
                      help="Where this node keeps its identity and block checkpoints "
                           "(default: ./bt-node-<run>)."),
-        click.option("--block", type=int, default=None, help="Hold this block (default: the least-held one)."),
+        click.option("--block", type=click.IntRange(min=0), default=None,
+                     help="Hold this block (default: the least-held one)."),
         click.option("--device", type=click.Choice(["cpu", "cuda", "auto"]), default="auto", show_default=True),
         click.option("--host", default="127.0.0.1", show_default=True, help="Interface for p2p traffic."),
-        click.option("--port", type=int, default=0, show_default=True, help="TCP port for p2p (0: any free)."),
+        click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
+                     help="TCP port for p2p (0: any free)."),
         click.option("--announce-host", default=None, help="Public IP to announce (behind NAT/port forward)."),
-        click.option("--http-port", type=int, default=None, help="Serve the HTTP API and web page here."),
+        click.option("--http-port", type=click.IntRange(0, 65535), default=None,
+                     help="Serve the HTTP API and web page here."),
         click.option("--http-host", default="127.0.0.1", show_default=True),
-        click.option("--average-every", type=int, default=20, show_default=True,
+        click.option("--average-every", type=click.IntRange(min=1), default=20, show_default=True,
                      help="Local steps between averaging rounds with same-block peers."),
-        click.option("--average-period", type=float, default=10.0, show_default=True,
+        click.option("--average-period", type=click.FloatRange(min=0, min_open=True), default=10.0,
+                     show_default=True,
                      help="Seconds between averaging rounds while not training (after --max-steps)."),
-        click.option("--checkpoint-every", type=int, default=100, show_default=True),
-        click.option("--max-steps", type=int, default=None, help="Stop training after N steps; keep serving."),
+        click.option("--checkpoint-every", type=click.IntRange(min=1), default=100, show_default=True),
+        click.option("--eval-every", type=click.FloatRange(min=0), default=0.0, show_default=True,
+                     help="Seconds between held-out chain CE measurements through the network (0: off)."),
+        click.option("--max-steps", type=click.IntRange(min=0), default=None,
+                     help="Stop training after N steps; keep serving."),
+        click.option("--averaging-compression", type=click.Choice(["fp32", "fp16", "8bit"]), default="fp32",
+                     show_default=True, help="What averaging rounds send: fp32 weights, fp16 (half the "
+                                             "bytes) or uniform 8-bit quantization (about a quarter)."),
+        click.option("--inject-delay-ms", type=click.FloatRange(0, 10000), default=0.0, show_default=True,
+                     help="Benchmark/testing knob: wait this one-way delay when a hop request arrives and "
+                          "again before its answer leaves (each hop's round trip gains 2x; see BENCHMARKS.md)."),
         click.option("--seed", "sample_seed", type=int, default=0, show_default=True),
         click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
                      help="Write a JSON line with peer id, addresses and ports once serving (for scripts)."),
@@ -102,7 +117,37 @@ def _progress(node) -> Table:
 
 def _common(checkpoint_dir, run_id, **kw) -> NodeOptions:
     d = checkpoint_dir or f"bt-node-{run_id or 'run'}"
-    return NodeOptions(checkpoint_dir=Path(d), run_id=run_id, **kw)
+    return NodeOptions(checkpoint_dir=Path(d), run_id=run_id, **_PRIVATE_RUN.get(), **kw)
+
+
+# -- private runs (node/auth.py): --allow-peer / --run-secret-file, handed to _common ----------
+_PRIVATE_RUN: contextvars.ContextVar[dict] = contextvars.ContextVar("bt_private_run", default={})
+
+
+def _check_peer_ids(_ctx, _param, values):
+    from ..node.auth import validate_peer_id
+    try:
+        return tuple(validate_peer_id(v) for v in values)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def private_run_options(fn):
+    """--allow-peer PEERID (repeatable) and --run-secret-file FILE for seed and join."""
+    @functools.wraps(fn)
+    def wrapper(*args, allow_peers=(), run_secret_file=None, **kwargs):
+        _PRIVATE_RUN.set({"allowed_peers": frozenset(allow_peers) if allow_peers else None,
+                          "run_secret_file": Path(run_secret_file) if run_secret_file else None})
+        return fn(*args, **kwargs)
+    wrapper = click.option(
+        "--run-secret-file", type=click.Path(exists=True, dir_okay=False), default=None,
+        help="Private run: a shared secret (>= 16 bytes) folded into the averaging group name, so peers "
+             "without it never find this node's averaging group. See RELIABILITY.md.")(wrapper)
+    wrapper = click.option(
+        "--allow-peer", "allow_peers", multiple=True, metavar="PEERID", callback=_check_peer_ids,
+        help="Private run: only these peer ids (repeatable) may call this node's RPCs (hops, state "
+             "download) or average with it; others get an 'unauthorized' error.")(wrapper)
+    return wrapper
 
 
 @click.command("seed")
@@ -114,10 +159,11 @@ def _common(checkpoint_dir, run_id, **kw) -> NodeOptions:
                    "if present, else HF wikitext-2, else the Python standard library's text.")
 @config_options
 @node_options
+@private_run_options
 @friendly
 def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpoint_dir, block, device, host, port,
          announce_host, http_port, http_host, average_every, average_period, checkpoint_every, max_steps,
-         sample_seed, ready_file, quiet):
+         eval_every, sample_seed, ready_file, quiet, averaging_compression, inject_delay_ms):
     """Start the first node of a NEW run: publish its manifest, hold a block, print the address.
 
     \b
@@ -130,7 +176,8 @@ def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpo
                    initial_peers=parse_initial_peers(list(initial_peers)), block=0 if block is None else block,
                    device=device, host=host, port=port, announce_host=announce_host, http_port=http_port,
                    http_host=http_host, average_every=average_every, average_period=average_period,
-                   checkpoint_every=checkpoint_every, max_steps=max_steps, seed=sample_seed)
+                   checkpoint_every=checkpoint_every, max_steps=max_steps, eval_every=eval_every, seed=sample_seed,
+                   averaging_compression=averaging_compression, inject_delay_ms=inject_delay_ms)
     _run_node(opts, ready_file, quiet, "Seeded")
 
 
@@ -140,9 +187,11 @@ def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpo
 @click.option("--run-id", default=None, help="Which run (needed only if several are live).")
 @click.option("--data", default=None, help="Train on this local data instead of the run's data spec.")
 @node_options
+@private_run_options
 @friendly
 def join(initial_peers, run_id, data, checkpoint_dir, block, device, host, port, announce_host, http_port,
-         http_host, average_every, average_period, checkpoint_every, max_steps, sample_seed, ready_file, quiet):
+         http_host, average_every, average_period, checkpoint_every, max_steps, eval_every, sample_seed, ready_file, quiet,
+         averaging_compression, inject_delay_ms):
     """Join a run: pick the least-held block, download its current state, train, average and serve.
 
     \b
@@ -154,7 +203,8 @@ def join(initial_peers, run_id, data, checkpoint_dir, block, device, host, port,
     opts = _common(checkpoint_dir, run_id, initial_peers=peers, data=data, block=block, device=device,
                    host=host, port=port, announce_host=announce_host, http_port=http_port, http_host=http_host,
                    average_every=average_every, average_period=average_period,
-                   checkpoint_every=checkpoint_every, max_steps=max_steps, seed=sample_seed)
+                   checkpoint_every=checkpoint_every, max_steps=max_steps, eval_every=eval_every, seed=sample_seed,
+                   averaging_compression=averaging_compression, inject_delay_ms=inject_delay_ms)
     _run_node(opts, ready_file, quiet, "Joined")
 
 

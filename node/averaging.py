@@ -9,15 +9,21 @@ current state to late joiners (``load_state_from_peers``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import multiprocessing as mp
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import AsyncIterator  # hivemind reads the rpc_* handlers' type hints
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
 
-from .acceptance import AcceptancePolicy, Verdict, judge
+from .acceptance import AcceptancePolicy, PeerBans, Verdict, check_group, judge
 from .trainer import BlockTrainer
 
 log = logging.getLogger(__name__)
@@ -25,11 +31,80 @@ log = logging.getLogger(__name__)
 # hivemind logs it as an error with a traceback. Our own stats and log lines report rounds.
 logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
 
+# --averaging-compression: what the all-reduce puts on the wire for each tensor part
+COMPRESSIONS = ("fp32", "fp16", "8bit")
+
+
+def make_compression(name: str):
+    """hivemind compression for ``fp32`` (none), ``fp16`` (half floats) or ``8bit`` (uniform 8-bit
+    quantization over +-6 sigma of each part, with a 256-entry float32 codebook per part)."""
+    from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
+    table = {"fp32": NoCompression, "fp16": Float16Compression, "8bit": Uniform8BitQuantization}
+    if name not in table:
+        raise ValueError(f"averaging compression must be one of {', '.join(COMPRESSIONS)}, got {name!r}")
+    return table[name]()
+
+
+# Traffic counters shared with the averager's child process: bytes sent, bytes received,
+# messages sent, messages received (serialized protobuf sizes of every libp2p stream message).
+_SENT, _RECV, _MSENT, _MRECV = range(4)
+
+
+def _count_stream_messages(counters) -> None:
+    """In the averager's own process: count every protobuf message hivemind writes to or reads from
+    a libp2p stream (matchmaking, all-reduce parts, state downloads). All of hivemind's stream I/O
+    goes through ``P2P.send_protobuf`` / ``P2P.receive_protobuf``; patching them here touches only
+    this child process, whose only p2p traffic is the averager's."""
+    from hivemind.p2p import P2P
+    send, receive = P2P.send_protobuf, P2P.receive_protobuf
+
+    async def counted_send(protobuf, writer):
+        await send(protobuf, writer)
+        counters[_SENT] += protobuf.ByteSize()
+        counters[_MSENT] += 1
+
+    async def counted_receive(input_protobuf_type, reader):
+        msg, err = await receive(input_protobuf_type, reader)
+        got = msg if msg is not None else err
+        if got is not None:
+            counters[_RECV] += got.ByteSize()
+            counters[_MRECV] += 1
+        return msg, err
+
+    P2P.send_protobuf = staticmethod(counted_send)
+    P2P.receive_protobuf = staticmethod(counted_receive)
+
+
+def _fix_8bit_extract() -> None:
+    """hivemind 1.1.12 reads an 8-bit part's codebook size with ``int()`` of a 1-element array, which
+    NumPy 2 refuses: every 8-bit part then fails to decode and the round silently averages nothing.
+    Same decoding, reading the size as a scalar (in the averager's process only)."""
+    import numpy as np
+    from hivemind.compression.quantization import Quantization
+
+    def extract(self, serialized_tensor):
+        buf = serialized_tensor.buffer
+        codebook_size = int(np.frombuffer(buf, count=1, dtype=np.int64)[0])
+        codebook = np.frombuffer(buf, offset=8, count=codebook_size, dtype=self.codebook_dtype)
+        quantized = np.frombuffer(buf, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+        quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
+        codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
+        return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
+
+    Quantization.extract = extract
+
 
 class _BlockStateAverager(DecentralizedAverager):
     """A DecentralizedAverager whose shared state is the trainer's live block (for late joiners)."""
 
     trainer: BlockTrainer | None = None
+    bt_counters = None   # mp.RawArray("q", 4), set before the process starts
+
+    def run(self):   # in the averager's child process
+        if self.bt_counters is not None:
+            _count_stream_messages(self.bt_counters)
+        _fix_8bit_extract()
+        super().run()
 
     def get_current_state(self):
         t = self.trainer
@@ -41,6 +116,44 @@ class _BlockStateAverager(DecentralizedAverager):
                     "block_index": t.block_index}
         return meta, tensors, self.tensor_infos
 
+    # -- private runs and bans: enforced in the averager's own process, before any tensor moves --
+    bt_authorize = None              # callable(peer id) -> bool (private runs), set before start
+    _bt_refused: frozenset = frozenset()   # peers banned by the node, refreshed before each round
+
+    def bt_set_refused(self, peers) -> None:   # host side: hand the current ban list to the child
+        self._outer_pipe.send(("_bt_set_refused", [sorted(str(p) for p in peers)], {}))
+
+    async def _bt_set_refused(self, peers) -> None:
+        self._bt_refused = frozenset(peers)
+
+    def _bt_member_ok(self, peer) -> bool:
+        p = str(peer)
+        return p not in self._bt_refused and (self.bt_authorize is None or bool(self.bt_authorize(p)))
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not self._bt_member_ok(context.remote_id):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_download_state(self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if self.bt_authorize is not None and not self.bt_authorize(str(_context.remote_id)):
+            return   # an empty answer: the caller moves on to the next peer
+        async for message in super().rpc_download_state(_request, _context):
+            yield message
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        refused = [str(p) for p in group_info.peer_ids if p != self.peer_id and not self._bt_member_ok(p)]
+        if refused:   # leave before sending or receiving any tensor part
+            raise MatchmakingException(f"{REFUSED_GROUP} {', '.join(refused)}")
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+
+REFUSED_GROUP = "refused to average with banned or not-allowed peer(s):"
+
 
 @dataclass
 class AveragingStats:
@@ -49,16 +162,19 @@ class AveragingStats:
     rejected: int = 0
     failed: int = 0
     last_round_time: float | None = None
+    last_accepted_time: float | None = None
     last_group_size: int = 0
     last_verdict: str = ""
     history: list = field(default_factory=list)   # (time, group size, accepted, reason)
+    compression: str = "fp32"
 
 
 class BlockAverager:
     def __init__(self, dht, trainer: BlockTrainer, run_id: str, *, peer_id: str = "",
                  policy: AcceptancePolicy | None = None, target_group_size: int = 4,
                  matchmaking_time: float = 3.0, round_timeout: float = 20.0, compression=None,
-                 banned: "callable | None" = None):
+                 banned: "callable | None" = None, authorize: "callable | None" = None,
+                 prefix: str | None = None, bans: PeerBans | None = None):
         from hivemind.compression import NoCompression
         self.trainer, self.run_id, self.peer_id = trainer, run_id, peer_id
         self.policy = policy or AcceptancePolicy()
@@ -66,7 +182,12 @@ class BlockAverager:
         self.stats = AveragingStats()
         self.round_no = 0
         self.banned = banned
-        self.prefix = f"{run_id}_block{trainer.block_index}"
+        self.prefix = prefix or f"{run_id}_block{trainer.block_index}"
+        self.authorize = authorize          # private runs: may this peer average with us?
+        self.bans = bans or PeerBans()      # peers blamed for rejected rounds (see acceptance.py)
+        if isinstance(compression, str):
+            self.stats.compression = compression
+            compression = make_compression(compression)
         tensors = [p.detach().to("cpu").clone() for p in trainer.module.parameters()]
         self.averager = _BlockStateAverager(
             averaged_tensors=tensors, dht=dht, start=False, prefix=self.prefix,
@@ -75,9 +196,19 @@ class BlockAverager:
             allow_state_sharing=True, next_chunk_timeout=10.0, sender_timeout=5.0, reducer_timeout=10.0,
         )
         self.averager.trainer = trainer
+        self.averager.bt_authorize = authorize
+        self.counters = self.averager.bt_counters = mp.RawArray("q", 4)
         self.averager.run_in_background(await_ready=True, timeout=60)
         self._lock = threading.Lock()
         self.cancel_event = threading.Event()
+
+    def traffic(self) -> dict:
+        """What this averager's process put on / took off libp2p streams so far: serialized protobuf
+        bytes and messages (matchmaking, all-reduce, state sharing; not DHT records, not libp2p's own
+        framing and encryption)."""
+        c = self.counters
+        return {"bytes_sent": int(c[_SENT]), "bytes_received": int(c[_RECV]),
+                "messages_sent": int(c[_MSENT]), "messages_received": int(c[_MRECV])}
 
     # -- late joiners -----------------------------------------------------------------------------
     def download_state(self, timeout: float = 30.0) -> dict | None:
@@ -93,6 +224,10 @@ class BlockAverager:
             raise ValueError("a peer offered block state of the wrong shape; refusing it")
         if not all(bool(torch.isfinite(t).all()) for t in tensors):
             raise ValueError("a peer offered non-finite block state; refusing it")
+        fresh, offered = self.trainer.check_loss(), self._check_loss(tensors)
+        if not offered < fresh + self.policy.max_loss_increase:   # NaN fails too
+            raise ValueError(f"a peer offered block state whose held-out check loss ({offered:.3f}) is worse "
+                             f"than this block's own ({fresh:.3f}); refusing it")
         with self.trainer.lock:
             for p, t in zip(params, tensors):
                 p.data.copy_(t.to(p.device, p.dtype))
@@ -119,8 +254,9 @@ class BlockAverager:
                 s.copy_(x)
         stamp = {"round": self.round_no, "step": step, "peer": self.peer_id,
                  "config_hash": t.cfg.config_hash, "n_tensors": len(snapshot)}
-        gathered = None
+        gathered, error = None, None
         try:
+            self.averager.bt_set_refused(self.bans.banned())
             control = self.averager.step(gather=stamp, weight=weight, timeout=self.round_timeout,
                                          allow_retries=False, wait=False)
             deadline = time.monotonic() + self.round_timeout + 30
@@ -133,17 +269,32 @@ class BlockAverager:
                 gathered = control.result(timeout=1)
         except Exception as e:  # hivemind raises on broken rounds; training goes on regardless
             log.info("averaging round %d failed: %s", self.round_no, e)
+            error = e
         if not gathered:
+            if error is not None and REFUSED_GROUP in str(error):   # we left a group holding banned peers
+                self.stats.rejected += 1
+                verdict = Verdict(False, str(error)[str(error).index(REFUSED_GROUP):])
+                self.stats.last_verdict = verdict.reason
+                self.stats.history.append((time.time(), 0, False, verdict.reason))
+                del self.stats.history[:-100]
+                return verdict
             self.stats.failed += 1
             return None
-        group = [g for g in gathered.values() if isinstance(g, dict)]
-        if len(group) != len(gathered) or any(g.get("config_hash") != t.cfg.config_hash or
-                                              g.get("n_tensors") != len(snapshot) for g in group):
-            verdict = Verdict(False, "group members disagree on config or tensor layout")
+        gathered = {str(k): v for k, v in gathered.items()}
+        others = [p for p in gathered if p != self.peer_id]
+        verdict = check_group(gathered, self_peer=self.peer_id, config_hash=t.cfg.config_hash,
+                              n_tensors=len(snapshot), authorize=self.authorize, banned=self._is_banned)
+        if verdict is not None:
+            self.bans.strike(verdict.offenders, verdict.reason, attributable=True)
         else:
             with self.averager.get_tensors() as shared:
                 averaged = [s.detach().clone() for s in shared]
             verdict = judge(snapshot, averaged, self.policy, self._check_loss)
+            if verdict.accepted:
+                self.bans.forgive(others)
+            else:   # the mean cannot be pinned on one member: blame every other member (acceptance.py)
+                verdict = dataclasses.replace(verdict, offenders=tuple(sorted(others)))
+                self.bans.strike(others, verdict.reason, attributable=len(others) == 1)
         self.stats.last_group_size = len(gathered)
         self.stats.last_round_time = time.time()
         self.stats.last_verdict = verdict.reason
@@ -158,7 +309,11 @@ class BlockAverager:
                 p.data.add_((a - s).to(p.device, p.dtype))
             t.samples_since_average = 0
         self.stats.succeeded += 1
+        self.stats.last_accepted_time = time.time()
         return verdict
+
+    def _is_banned(self, peer: str) -> bool:
+        return self.bans.is_banned(peer) or (self.banned is not None and bool(self.banned(peer)))
 
     def _check_loss(self, tensors) -> float:
         t = self.trainer

@@ -63,6 +63,7 @@ class ApiBackend(Protocol):
     def score(self, text: bytes, k: int) -> dict: ...
     def status(self) -> dict: ...
     def average_now(self) -> dict: ...
+    def held_out_ce(self) -> dict: ...
     def metrics(self) -> dict[str, float]: ...
 
 
@@ -140,6 +141,10 @@ def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: floa
     @app.post("/v1/score", response_model=ScoreResponse, summary="Held-out nats/byte of a text")
     def score(req: ScoreRequest):
         return run_heavy(lambda: backend.score(req.text.encode("utf-8"), req.k))
+
+    @app.post("/v1/eval", summary="Measure held-out chain CE through the network now")
+    def evaluate():
+        return run_heavy(backend.held_out_ce)
 
     @app.post("/v1/average", summary="Run one averaging round with same-block peers now")
     def average():

@@ -7,8 +7,10 @@ server. Child processes (hivemind's DHT, averager, p2pd) live in this node's pro
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import math
 import os
 import threading
 import time
@@ -27,6 +29,7 @@ from ..p2p.identity import NodeIdentity
 from ..p2p.records import BlockAnnouncement, RunManifest
 from ..p2p.rpc_client import HopClient
 from ..p2p.rpc_server import BlockRPCServer
+from .auth import RunAuth
 from .averaging import BlockAverager
 from .default_data import resolve_default
 from .local_train import pick_device
@@ -37,6 +40,22 @@ from .trainer import BlockTrainer
 log = logging.getLogger(__name__)
 SOFTWARE_VERSION = "blocktrain/0.1.0"
 PROTOCOL_VERSION = 1
+
+
+FAULTS = ("nan_hops", "inf_hops", "shape_hops")
+
+
+def _inject_fault(fault: str, state, logits):
+    """BT_FAULT_INJECT (tests only): a poisoned hop answer of the kind a buggy or hostile holder sends."""
+    if fault == "nan_hops":
+        return torch.full_like(state, float("nan")), logits
+    if fault == "inf_hops":
+        return torch.full_like(state, float("inf")), logits
+    return state[:, :-1] if state.shape[1] > 1 else state[..., :-1], logits   # shape_hops
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) and x >= 0 else None
 
 
 def choose_block(holders: dict[int, list[BlockAnnouncement]], n_blocks: int) -> int:
@@ -73,11 +92,20 @@ class Node:
         self._threads: list[threading.Thread] = []
         self._avg_wakeup = threading.Event()
         self.errors: list[str] = []
+        self.auth = RunAuth()
+        # test-only fault injection (RELIABILITY.md): BT_FAULT_INJECT=nan_hops|inf_hops|shape_hops
+        # makes this node answer every hop with a poisoned state, to prove callers fail over
+        self.fault = os.environ.get("BT_FAULT_INJECT", "").strip()
+        if self.fault and self.fault not in FAULTS:
+            raise ValueError(f"BT_FAULT_INJECT={self.fault!r}: use one of {', '.join(FAULTS)} (a test knob)")
+        if self.fault:
+            log.warning("FAULT INJECTION ACTIVE (BT_FAULT_INJECT=%s): this node serves bad hops", self.fault)
 
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> "Node":
         o = self.opts
         o.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.auth = RunAuth.build(o.allowed_peers, o.run_secret_file)   # bad secret file: fail before the DHT
         fresh_identity = not (o.checkpoint_dir / "identity.key").exists()
         self.identity = NodeIdentity.load_or_create(o.checkpoint_dir / "identity.key")
         # hivemind's "is this identity already used in the swarm?" probe waits ~30 s for a DHT
@@ -89,11 +117,14 @@ class Node:
                                          host_maddrs=[host], announce_maddrs=announce,
                                          run_ids=[o.run_id] if o.run_id else [], ttl=o.ttl, **dht_extra)
         self.peer_id = self.discovery.peer_id
+        self.auth = dataclasses.replace(self.auth, self_peer=self.peer_id)
         self._resolve_run()
         self._build_trainer()
         self._start_rpc()
         self.averager = BlockAverager(self.discovery.dht, self.trainer, self.run_id, peer_id=self.peer_id,
-                                      compression=o.averaging_compression)
+                                      compression=o.averaging_compression,
+                                      authorize=self.auth.authorize if self.auth.restricted else None,
+                                      prefix=self.auth.averaging_prefix(self.run_id, self.block_index))
         self._late_join()
         self.state = "online"
         self.discovery.start_announcing(self.announcement)
@@ -101,6 +132,8 @@ class Node:
             self._start_http()
         self._spawn("train", self._train_loop)
         self._spawn("average", self._average_loop)
+        if o.eval_every:
+            self._spawn("eval", self._eval_loop)
         return self
 
     def _resolve_run(self) -> None:
@@ -144,6 +177,7 @@ class Node:
         device = pick_device(o.device)
         self.trainer = BlockTrainer(cfg, b, split.train, split.eval, device=device, seed=o.seed, worker_id=worker)
         self.resumed = self.trainer.resume(o.checkpoint_dir)
+        self._checkpoint_ok = True   # from here on a final checkpoint cannot overwrite one we failed to load
         self.block_index = b
 
     def _start_rpc(self) -> None:
@@ -153,7 +187,8 @@ class Node:
         limits = HopLimits(allowed_blocks=frozenset({b}), max_batch=64, max_seq=cfg.seq_len,
                            state_dim=get_objective(cfg).state_dim(), vocab_size=cfg.vocab_size)
         self.server = BlockRPCServer(p2p, self.run_id, limits, self._serve_hop, self._serve_state,
-                                     inject_delay_s=self.opts.inject_delay_ms / 1000.0)
+                                     inject_delay_s=self.opts.inject_delay_ms / 1000.0,
+                                     authorize=self.auth.authorize if self.auth.restricted else None)
         self.loop.run(self.server.add_block(b), timeout=30)
         self.client = HopClient(p2p, self.run_id, loop=self.loop)
         self.router = Router(self.discovery, self.client, self.run_id, cfg.n_blocks,
@@ -177,6 +212,8 @@ class Node:
             for a in others:   # fall back to our own RPC
                 try:
                     meta, tensors = self.client.get_block_state_sync(a.peer_id, self.block_index, timeout=30)
+                    if not all(bool(torch.isfinite(v).all()) for v in tensors.values()):
+                        raise ValueError("it offered non-finite block state")
                     self.trainer.load_tensors(tensors, step=int(meta.get("step", 0)),
                                               samples_seen=int(meta.get("samples_seen", 0)))
                     self.downloaded = meta
@@ -198,6 +235,8 @@ class Node:
             s = s.expand(n, 2)
         out = self.trainer.hop(HopRequest(state.float(), context.long(), s[:, 0].contiguous(),
                                           s[:, 1].contiguous(), want_logits))
+        if self.fault:
+            return _inject_fault(self.fault, out.state, out.logits)
         return out.state, out.logits
 
     def _serve_state(self, block: int):
@@ -211,6 +250,8 @@ class Node:
         return BlockAnnouncement(
             peer_id=self.peer_id, block_index=self.block_index, state=self.state, step=t.step,
             samples_seen=t.samples_seen, throughput=float(t.throughput()), load=0.0, serving=True,
+            loss=_finite_or_none(t.recent_loss()),
+            last_round_time=self.averager.stats.last_accepted_time if self.averager else None,
             addresses=self.discovery.visible_maddrs()[:4], software_version=SOFTWARE_VERSION,
             config_hash=self.cfg.config_hash, run_id=self.run_id)
 
@@ -258,6 +299,17 @@ class Node:
                 break
             self.averager.round()
 
+    def _eval_loop(self) -> None:
+        """Measure held-out chain CE through the network every ``eval_every`` seconds (for the
+        dashboard and /v1/status); a failed measurement (a block without holder) is just skipped."""
+        from .service import NodeBackend
+        backend = NodeBackend(self)
+        while not self.stop_event.wait(self.opts.eval_every):
+            try:
+                backend.held_out_ce()
+            except Exception as e:
+                log.info("held-out evaluation skipped: %s", e)
+
     def save_checkpoint(self) -> None:
         self.trainer.save(self.opts.checkpoint_dir)
         self.checkpoints_written += 1
@@ -274,7 +326,7 @@ class Node:
             self.averager.cancel_event.set()
         for th in self._threads:
             th.join(timeout=30)
-        if self.trainer is not None:
+        if self.trainer is not None and getattr(self, "_checkpoint_ok", False):
             try:
                 self.save_checkpoint()
             except Exception as e:

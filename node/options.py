@@ -27,14 +27,25 @@ class NodeOptions:
     average_every: int = 20                    # local steps between averaging rounds
     average_period: float = 10.0               # seconds between rounds while not training
     checkpoint_every: int = 100
+    eval_every: float = 0.0                    # seconds between held-out chain CE measurements (0: off)
     max_steps: int | None = None               # stop training after this many local steps (serve on)
     train: bool = True
     seed: int = 0
     ttl: float = 30.0
-    allowed_peers: frozenset[str] | None = None
+    allowed_peers: frozenset[str] | None = None    # private run: only these peer ids may call / average
+    run_secret_file: Path | None = None            # private run: secret folded into the averaging prefix
+    averaging_compression: str = "fp32"        # fp32 | fp16 | 8bit: what the all-reduce sends
+    inject_delay_ms: float = 0.0               # benchmark/testing knob: one-way delay per hop RPC
 
     def __post_init__(self) -> None:
         self.checkpoint_dir = Path(self.checkpoint_dir)
+        if self.allowed_peers is not None:   # private runs (node/auth.py): clear errors up front
+            from .auth import validate_peer_id
+            self.allowed_peers = frozenset(validate_peer_id(p) for p in self.allowed_peers)
+        if self.run_secret_file is not None:
+            from .auth import load_secret
+            self.run_secret_file = Path(self.run_secret_file)
+            load_secret(self.run_secret_file)
         if self.run_id is not None and not RUN_ID_RE.match(self.run_id):
             raise ValueError(f"run id {self.run_id!r} must be 1-64 letters, digits, '_' or '-' "
                              "(no dots: it names DHT keys)")
@@ -48,3 +59,7 @@ class NodeOptions:
             raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
         if self.average_every < 1 or self.checkpoint_every < 1:
             raise ValueError("--average-every and --checkpoint-every must be >= 1")
+        if self.averaging_compression not in ("fp32", "fp16", "8bit"):
+            raise ValueError(f"--averaging-compression must be fp32, fp16 or 8bit, got {self.averaging_compression!r}")
+        if not 0.0 <= self.inject_delay_ms <= 10_000.0:
+            raise ValueError(f"--inject-delay-ms must be in [0, 10000], got {self.inject_delay_ms}")

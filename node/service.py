@@ -55,7 +55,8 @@ class NodeBackend:
         for b in range(cfg.n_blocks):
             blocks.append({"block": b, "holders": [
                 {"peer_id": h.peer_id, "state": h.state, "step": h.step, "samples_seen": h.samples_seen,
-                 "throughput": h.throughput, "load": h.load, "serving": h.serving,
+                 "throughput": h.throughput, "load": h.load, "serving": h.serving, "loss": h.loss,
+                 "last_round_time": h.last_round_time,
                  "is_self": h.peer_id == node.peer_id}
                 for h in holders.get(b, [])]})
         s = a.stats

@@ -46,7 +46,7 @@ def run_swarm(*, nodes: int | None, budget_s: float, data: str, overrides: list[
                        extra_args=["--average-every", str(average_every), "--device", "cpu"])
     client = None
     try:
-        swarm.start_seed(block=blocks[0], http_port=http_port)
+        swarm.start_seed(block=blocks[0], http_port=http_port, args=["--eval-every", "30"])
         for b in blocks[1:]:
             swarm.start_join(block=b, wait=False)
         for nd in swarm.nodes[1:]:
