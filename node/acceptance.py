@@ -2,31 +2,65 @@
 
 hivemind can return a silently partial average when a peer dies mid-round, and a hostile peer
 can push NaN, huge or random weights. A round's result lands only if (1) every value is finite,
-(2) the change is small relative to the local weights, and (3) the block's loss on a few fixed
-held-out windows does not get much worse.
+(2) the change is not huge relative to the local weights (``hard_relative_change``: 1000x-scaled
+weights are far beyond it), (3) a change larger than ``max_relative_change`` (a
+replica that drifted, or restarted from an old checkpoint, catching up with its group) at least
+does not raise the block's loss on a few fixed held-out windows (``large_change_loss_slack``),
+and (4) any change raises that check loss by at most ``max_loss_increase``.
+
+Why two tiers: early in training, or after a restart from an old checkpoint, an honest replica's
+weights can differ from its group's by many times their own norm (measured: 15x for a replica
+restarted after ~1 minute of its group's training), so a change-size limit alone would either
+lock stale replicas out for good or let large poison through; the held-out check loss tells a
+catch-up (loss falls) from poison (loss rises). Limitation: poison that keeps the check loss
+within these margins on the fixed check windows (which a determined attacker can learn) is not
+detected; the margins bound how much each accepted round can move the weights.
+
+Before that, ``check_group`` vets who was in the group (every member's gathered metadata agrees
+on config and tensor layout and names the member's own peer id, no member is banned, and in a
+private run every member is allowed). ``PeerBans`` keeps the averaging ban list.
+
+Attribution limit: an all-reduce result is the weighted mean of every member's tensors, and a
+member only sees the mean, so a poisoned round cannot be pinned on one member of a group of 3+
+without extra verification (e.g. each member re-sending its contribution for a spot check). So a
+rejected round is blamed on every non-self member: in a group of two the blame is exact and the
+ban long (``ban_seconds``, doubling for repeat offenders); in a larger group each member gets a
+short collateral ban (``collateral_seconds``), also doubling with strikes, and an honest member
+clears its strikes the next time it is in an accepted round, while a repeat offender's bans grow.
 """
 from __future__ import annotations
 
 import math
+import threading
+import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 
 @dataclass(frozen=True)
 class AcceptancePolicy:
-    max_relative_change: float = 1.0     # ||avg - local|| <= this * ||local|| (1000x-scaled weights fail)
+    max_relative_change: float = 1.0     # ||avg - local|| above this * ||local|| must not raise the check loss
     max_loss_increase: float = 0.5       # nats: check loss(avg) <= check loss(local) + this
+    hard_relative_change: float = 100.0  # above this * ||local||: rejected outright (e.g. 1000x-scaled weights)
+    large_change_loss_slack: float = 0.1  # nats a large (but not huge) change may cost
 
 
 @dataclass(frozen=True)
 class Verdict:
     accepted: bool
     reason: str
-    relative_change: float = float("nan")
-    loss_local: float = float("nan")
-    loss_averaged: float = float("nan")
+    relative_change: float | None = None   # None where not measured (or not finite): stays JSON-safe
+    loss_local: float | None = None
+    loss_averaged: float | None = None
+    offenders: tuple[str, ...] = ()      # group members blamed for a rejection (banned for a while)
+
+    def __post_init__(self) -> None:
+        for name in ("relative_change", "loss_local", "loss_averaged"):
+            v = getattr(self, name)
+            if v is not None and not math.isfinite(v):
+                object.__setattr__(self, name, None)
 
 
 def judge(local: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor], policy: AcceptancePolicy,
@@ -38,12 +72,96 @@ def judge(local: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor], polic
     num = math.sqrt(sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(averaged, local)))
     den = math.sqrt(sum(float(b.double().pow(2).sum()) for b in local)) + 1e-12
     rel = num / den
-    if rel > policy.max_relative_change:
-        return Verdict(False, f"change too large: {rel:.3g} x the local weights "
-                              f"(limit {policy.max_relative_change})", rel)
+    if rel > policy.hard_relative_change or (check_loss is None and rel > policy.max_relative_change):
+        limit = policy.hard_relative_change if check_loss is not None else policy.max_relative_change
+        return Verdict(False, f"change too large: {rel:.3g} x the local weights (limit {limit})", rel)
     if check_loss is None:
         return Verdict(True, "ok", rel)
     l_local, l_avg = check_loss(local), check_loss(averaged)
+    if rel > policy.max_relative_change and not l_avg <= l_local + policy.large_change_loss_slack:
+        return Verdict(False, f"large change ({rel:.3g} x the local weights, over {policy.max_relative_change}) "
+                              f"that does not keep the held-out check loss ({l_local:.3f} -> {l_avg:.3f})",
+                       rel, l_local, l_avg)
     if not math.isfinite(l_avg) or l_avg > l_local + policy.max_loss_increase:
         return Verdict(False, f"held-out check loss rose from {l_local:.3f} to {l_avg:.3f}", rel, l_local, l_avg)
     return Verdict(True, "ok", rel, l_local, l_avg)
+
+
+def check_group(gathered: Mapping[str, Any], *, self_peer: str, config_hash: str, n_tensors: int,
+                authorize: Callable[[str], bool] | None = None,
+                banned: Callable[[str], bool] | None = None) -> Verdict | None:
+    """Membership checks on a round's gathered metadata ({peer id: metadata}); None if all good.
+
+    Peer ids are the all-reduce group's libp2p ids (authenticated by the transport), not what a
+    member claims about itself; a member whose metadata names another peer is a forger.
+    """
+    others = [p for p in gathered if p != self_peer]
+    if not others:
+        return Verdict(False, "the group holds no other peer")
+    if authorize is not None:
+        outsiders = tuple(sorted(p for p in others if not authorize(p)))
+        if outsiders:
+            return Verdict(False, f"group holds peer(s) not allowed in this private run: {', '.join(outsiders)}",
+                           offenders=outsiders)
+    if banned is not None:
+        bad = tuple(sorted(p for p in others if banned(p)))
+        if bad:
+            return Verdict(False, f"group holds banned peer(s): {', '.join(bad)}", offenders=bad)
+    wrong = []
+    for p in others:
+        g = gathered[p]
+        if (not isinstance(g, dict) or g.get("config_hash") != config_hash or g.get("n_tensors") != n_tensors
+                or ("peer" in g and g.get("peer") != p)):
+            wrong.append(p)
+    if wrong:
+        return Verdict(False, "group members disagree on config or tensor layout, or forge their peer id: "
+                              + ", ".join(sorted(wrong)), offenders=tuple(sorted(wrong)))
+    return None
+
+
+class PeerBans:
+    """Averaging bans keyed by peer id, with strikes that double a repeat offender's ban."""
+
+    def __init__(self, ban_seconds: float = 60.0, collateral_seconds: float = 15.0, max_seconds: float = 3600.0):
+        self.ban_seconds, self.collateral_seconds, self.max_seconds = ban_seconds, collateral_seconds, max_seconds
+        self._until: dict[str, float] = {}
+        self._strikes: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.total = 0                      # bans issued (a peer banned twice counts twice)
+        self.log: list[tuple[float, str, float, str]] = []   # (time, peer, seconds, reason), last 100
+
+    def strike(self, peers: Sequence[str], reason: str, *, attributable: bool) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for p in peers:
+                n = self._strikes.get(p, 0) + 1
+                self._strikes[p] = n
+                base = self.ban_seconds if attributable else self.collateral_seconds
+                secs = min(self.max_seconds, base * 2 ** (n - 1))
+                self._until[p] = max(self._until.get(p, 0.0), now + secs)
+                self.total += 1
+                self.log.append((time.time(), p, secs, reason))
+            del self.log[:-100]
+
+    def forgive(self, peers: Sequence[str]) -> None:
+        """Peers just seen in an accepted round lose their strikes (not a running ban)."""
+        with self._lock:
+            for p in peers:
+                self._strikes.pop(p, None)
+
+    def is_banned(self, peer: str) -> bool:
+        with self._lock:
+            t = self._until.get(peer)
+            if t is None:
+                return False
+            if t <= time.monotonic():
+                del self._until[peer]
+                return False
+            return True
+
+    def banned(self) -> set[str]:
+        now = time.monotonic()
+        with self._lock:
+            for p in [p for p, t in self._until.items() if t <= now]:
+                del self._until[p]
+            return set(self._until)

@@ -108,6 +108,10 @@ class Node:
         self.auth = RunAuth.build(o.allowed_peers, o.run_secret_file)   # bad secret file: fail before the DHT
         fresh_identity = not (o.checkpoint_dir / "identity.key").exists()
         self.identity = NodeIdentity.load_or_create(o.checkpoint_dir / "identity.key")
+        # we hold the directory's identity lock, so no live node writes here: temporary files are
+        # leftovers of a process killed mid-write (the checkpoint itself is replaced atomically)
+        for tmp in o.checkpoint_dir.glob(".*.tmp-*"):
+            tmp.unlink(missing_ok=True)
         # hivemind's "is this identity already used in the swarm?" probe waits ~30 s for a DHT
         # lookup to time out; a key generated a moment ago cannot be in use, so skip it then
         dht_extra = {"check_if_identity_free": False} if fresh_identity else {}

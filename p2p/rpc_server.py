@@ -251,8 +251,10 @@ class BlockRPCServer:
         self, p2p: P2P, run_id: str, limits: HopLimits, hop_handler: HopHandler,
         state_provider: StateProvider | None = None, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         unary_limit: int = UNARY_LIMIT_BYTES, inject_delay_s: float = 0.0,
+        authorize: Callable[[str], bool] | None = None,
     ):
         namespace(run_id, 0)  # validates run_id
+        self.authorize = authorize
         if not 0.0 <= inject_delay_s <= 10.0:
             raise ValueError(f"inject_delay_s must be in [0, 10] seconds, got {inject_delay_s}")
         self.inject_delay_s = inject_delay_s
@@ -282,6 +284,7 @@ class BlockRPCServer:
             executor=self._executor, chunk_bytes=self.chunk_bytes, unary_limit=self.unary_limit,
             inject_delay_s=self.inject_delay_s,
         )
+        svc.authorize = self.authorize
         await svc.add_p2p_handlers(self.p2p, namespace=namespace(self.run_id, block_index))
         self._services[block_index] = svc
 

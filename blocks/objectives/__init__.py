@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from ..config import ConfigError, ModelConfig
 from .base import Objective, ScoreResult
+from .chunked_masked import ChunkedMaskedObjective
 from .paper import PaperObjective
 
 OBJECTIVES: dict[str, type[Objective]] = {
     PaperObjective.name: PaperObjective,
+    ChunkedMaskedObjective.name: ChunkedMaskedObjective,
 }
 
 DEFAULT_OBJECTIVE = "paper"

@@ -1,0 +1,135 @@
+"""In-process pieces of the reliability story: acceptance tiers, group checks, bans, private-run
+auth, the RPC authorize hook and the fault-injection knob (no network, fast)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from blocktrain.node.acceptance import AcceptancePolicy, PeerBans, check_group, judge
+from blocktrain.node.auth import MIN_SECRET_BYTES, RunAuth, load_secret, validate_peer_id
+
+pytestmark = pytest.mark.reliability
+
+A = "QmWYkiQm412ZCEu7ZDhpwe9LKZDLNsYZ6fNJ9KiqzXPGBr"
+B = "QmadT5bHQPozE3U8QtyU138jFoxXgFQ5jBz2y2eAgmLMTR"
+C = "12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA"
+
+
+def _loss(tensors) -> float:   # a stand-in check loss: distance from the all-ones "good" weights
+    return float(sum((t - 1).pow(2).mean() for t in tensors))
+
+
+def test_acceptance_tiers():
+    P = AcceptancePolicy()
+    local = [torch.ones(8)]
+    assert not judge(local, [torch.full((8,), float("nan"))], P, _loss).accepted
+    v = judge(local, [torch.ones(8) * 1000], P, _loss)
+    assert not v.accepted and "change too large" in v.reason and v.relative_change > 100
+    # a replica far from its group (5x its own norm) catching up: loss falls -> accepted
+    far = [torch.full((8,), 0.2)]
+    assert judge(far, [torch.ones(8)], P, _loss).accepted
+    # the same size of change away from good weights: loss rises -> rejected
+    v = judge(local, [torch.full((8,), -2.0)], P, _loss)
+    assert not v.accepted and "large change" in v.reason
+    # a small change that raises the check loss by more than 0.5 nats
+    v = judge(local, [torch.full((8,), 1.8)], P, _loss)
+    assert not v.accepted and "check loss rose" in v.reason
+    assert judge(local, [torch.full((8,), 1.1)], P, _loss).accepted
+    # verdict numbers stay JSON-safe
+    assert judge(local, [torch.full((8,), float("inf"))], P, _loss).relative_change is None
+
+
+def test_check_group_names_offenders():
+    ok = {"config_hash": "h", "n_tensors": 3}
+    g = {A: {**ok, "peer": A}, B: {**ok, "peer": B}}
+    assert check_group(g, self_peer=A, config_hash="h", n_tensors=3) is None
+    v = check_group(g, self_peer=A, config_hash="h", n_tensors=3, authorize=lambda p: p == A)
+    assert not v.accepted and v.offenders == (B,) and "not allowed" in v.reason
+    v = check_group(g, self_peer=A, config_hash="h", n_tensors=3, banned=lambda p: p == B)
+    assert v.offenders == (B,) and "banned" in v.reason
+    forged = {A: {**ok, "peer": A}, B: {**ok, "peer": C}}          # B claims to be C
+    assert check_group(forged, self_peer=A, config_hash="h", n_tensors=3).offenders == (B,)
+    other = {A: {**ok, "peer": A}, B: {"config_hash": "x", "n_tensors": 3}}
+    assert check_group(other, self_peer=A, config_hash="h", n_tensors=3).offenders == (B,)
+    assert not check_group({A: ok}, self_peer=A, config_hash="h", n_tensors=3).accepted
+
+
+def test_bans_escalate_expire_and_forgive():
+    bans = PeerBans(ban_seconds=0.2, collateral_seconds=0.05)
+    bans.strike([A], "poison", attributable=True)
+    bans.strike([B, C], "group rejected", attributable=False)
+    assert bans.banned() == {A, B, C}
+    time.sleep(0.08)
+    assert bans.banned() == {A}                      # collateral bans are short
+    time.sleep(0.15)
+    assert not bans.is_banned(A)
+    bans.strike([A], "again", attributable=True)     # a repeat offender's ban doubles
+    assert bans.log[-1][2] == pytest.approx(0.4)
+    bans.forgive([B])
+    bans.strike([B], "once more", attributable=False)
+    assert bans.log[-1][2] == pytest.approx(0.05)    # forgiven: back to the first-strike length
+    assert bans.total == 5
+
+
+def test_run_auth(tmp_path):
+    f = tmp_path / "s"
+    f.write_text("x" * MIN_SECRET_BYTES + "\n")
+    auth = RunAuth.build([B], f, self_peer=A)
+    assert auth.authorize(A) and auth.authorize(B) and not auth.authorize(C)
+    assert RunAuth().authorize(C) and not RunAuth().private
+    p = auth.averaging_prefix("run", 0)
+    assert p.startswith("run_block0_") and p != auth.averaging_prefix("run", 1)
+    assert RunAuth().averaging_prefix("run", 0) == "run_block0"
+    g = tmp_path / "g"
+    g.write_text("y" * MIN_SECRET_BYTES)
+    assert RunAuth(secret=load_secret(g)).averaging_prefix("run", 0) != p
+    for content, frag in ((b"short", "at least"), (b"", "holds 0 bytes")):
+        g.write_bytes(content)
+        with pytest.raises(ValueError, match=frag) as e:
+            load_secret(g)
+        assert str(g) in str(e.value)
+    with pytest.raises(ValueError, match="not found"):
+        load_secret(tmp_path / "missing")
+    for bad in ("nope", A[:-1], "", "Qm" + "1" * 44):
+        with pytest.raises(ValueError, match="not a libp2p peer id"):
+            validate_peer_id(bad)
+    assert validate_peer_id(C) == C
+
+
+def test_rpc_authorize_hook_refuses_before_reading_the_request():
+    from hivemind.proto import runtime_pb2
+
+    from blocktrain.p2p.hops import HopLimits, decode_meta
+    from blocktrain.p2p.rpc_server import BlockService
+    from blocktrain.p2p.traffic import TrafficCounter
+
+    called = []
+    svc = BlockService(0, HopLimits(allowed_blocks={0}, max_batch=4, max_seq=8, state_dim=4, vocab_size=256),
+                       lambda *a: called.append(a), lambda b: ({}, {}), traffic=TrafficCounter(),
+                       executor=ThreadPoolExecutor(1))
+    svc.authorize = lambda peer: peer == A
+    ctx = SimpleNamespace(remote_id=B)
+    resp = asyncio.run(svc.rpc_forward(runtime_pb2.ExpertRequest(metadata=b"junk"), ctx))
+    meta = decode_meta(resp.metadata)
+    assert meta["ok"] is False and meta["code"] == "unauthorized" and B in meta["reason"]
+
+    async def state():
+        return [m async for m in svc.rpc_state(runtime_pb2.ExpertRequest(metadata=b"{}"), ctx)]
+    assert decode_meta(asyncio.run(state())[0].metadata)["code"] == "unauthorized"
+    svc.authorize = lambda peer: 1 / 0             # a broken policy refuses, it does not open up
+    assert decode_meta(asyncio.run(state())[0].metadata)["code"] == "unauthorized"
+    assert not called
+
+
+def test_fault_injection_knob():
+    from blocktrain.node.node import FAULTS, _inject_fault
+    s = torch.randn(2, 5, 4)
+    assert torch.isnan(_inject_fault("nan_hops", s, None)[0]).all()
+    assert torch.isinf(_inject_fault("inf_hops", s, None)[0]).all()
+    assert _inject_fault("shape_hops", s, None)[0].shape != s.shape
+    assert set(FAULTS) == {"nan_hops", "inf_hops", "shape_hops"}
