@@ -11,6 +11,7 @@ import time
 from typing import Literal, Protocol
 
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from pydantic import BaseModel, Field
 
@@ -95,6 +96,47 @@ class _RateLimiter:
             return True
 
 
+class BodyLimitMiddleware:
+    """Caps request bodies whatever their framing: reads at most ``max_bytes`` (chunked uploads
+    without Content-Length included) before the app sees the request, else answers 413."""
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chunks, total, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":   # the client went away
+                return
+            body = message.get("body", b"")
+            total += len(body)
+            if total > self.max_bytes:
+                response = JSONResponse({"detail": f"request body over {self.max_bytes} bytes"}, status_code=413)
+                return await response(scope, receive, send)
+            chunks.append(body)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def _validation_detail(exc: RequestValidationError) -> list[dict]:
+    """FastAPI's default answer echoes the offending input, which fails to encode for non-UTF-8
+    bytes or NaN tokens (a 500); answer with type, location and message only."""
+    return [{"type": str(e.get("type", "")), "loc": [str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", ""))}
+            for e in exc.errors()]
+
+
 def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: float = 5.0, burst: int = 20,
                static_dir: str | None = None) -> FastAPI:
     app = FastAPI(title="BlockTrain node", version="1", description=(
@@ -103,6 +145,12 @@ def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: floa
     heavy = threading.BoundedSemaphore(max_concurrent)
     limiter = _RateLimiter(rate_per_s, burst)
     counters = {"requests": 0, "rejected_rate": 0, "rejected_busy": 0, "errors": 0}
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError):
+        return JSONResponse({"detail": _validation_detail(exc)}, status_code=422)
 
     @app.middleware("http")
     async def limits(request: Request, call_next):
