@@ -5,7 +5,6 @@ import contextvars
 import functools
 import json
 import signal
-import sys
 import time
 from pathlib import Path
 

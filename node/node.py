@@ -14,7 +14,6 @@ import math
 import os
 import threading
 import time
-from pathlib import Path
 
 import torch
 

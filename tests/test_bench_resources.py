@@ -66,6 +66,7 @@ def test_bench_throughput_tiny_json():
     assert r["flops_ratio"] > 2.0  # 8 layers vs 2 (+ the block's own extras)
     assert r["ratio"] > 1.0  # a 2-layer step is faster than an 8-layer one; no timing target asserted
     assert r["ratio"] == pytest.approx(b["tokens_per_s"] / ref["tokens_per_s"])
+    assert _pos(r["ratio_paired_median"]) and _pos(r["ratio_best"])
     if r["device"] == "cpu":
         assert r["peak_tflops"] is None and b["mfu"] is None
 

@@ -25,7 +25,7 @@ from blocktrain.p2p.identity import NodeIdentity
 
 from helpers import need_wikitext
 from reliability_helpers import (
-    MANUAL_AVG, TINY, HostileProc, RelSwarm, all_finite, average_together, average_until_accepted,
+    MANUAL_AVG, TINY, HostileProc, RelSwarm, all_finite, average_until_accepted,
     block_state, kill9, report, stop_swarm, wait_for,
 )
 
