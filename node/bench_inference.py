@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from ..blocks import checkpoint as ckpt
 from ..blocks.config import ModelConfig
 from ..blocks.data import eval_windows
-from .bench_swarm import _env, _typed
+from .bench_swarm import _env
+from .swarm import typed_settings
 from .budget import Budget
 from .default_data import resolve_default
 from .launcher import LocalSwarm
@@ -94,7 +95,7 @@ def _gen_stats(client, prompt: bytes, n: int, mode: str) -> dict:
 def run_bench_inference(s: InferenceBenchSettings, *, workdir: str | None = None,
                         on_progress: Callable[[str], None] | None = None) -> dict:
     say = on_progress or (lambda _msg: None)
-    cfg = ModelConfig.from_dict(_typed(list(s.overrides)), source="bench inference config")
+    cfg = ModelConfig.from_dict(typed_settings(list(s.overrides)), source="bench inference config")
     longest = max(s.lengths)
     if min(s.lengths) < 1 or longest > cfg.seq_len - 1:
         raise ValueError(f"one-sweep emits at most seq_len-1 = {cfg.seq_len - 1} bytes; lengths {s.lengths} "

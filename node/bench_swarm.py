@@ -42,6 +42,7 @@ from ..blocks.data import eval_windows
 from ..blocks.objectives import get_objective
 from .default_data import resolve_default
 from .launcher import LocalSwarm
+from .swarm import typed_settings
 
 AVERAGED_FP16_BYTES_TARGET = 0.55     # issue 5: fp16 averaging moves <= 0.55x the bytes of fp32 ...
 AVERAGED_FP16_CE_TARGET = 0.01        # ... with CE within 0.01
@@ -76,18 +77,6 @@ class SwarmBenchSettings:
         return cls(overrides=list(TINY_CONFIG), averaged_plan=[0, 1, 1], max_steps=40, average_every=5,
                    compressions=["fp32"], eval_windows=8, k=1, curve_windows=4, curve_every_s=1e9,
                    max_wait_s=150.0, concurrent=True)
-
-
-def _typed(sets: list[str]) -> dict:
-    import json
-    out = {}
-    for kv in sets:
-        k, v = kv.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-    return out
 
 
 @contextlib.contextmanager
@@ -320,7 +309,7 @@ def run_bench_swarm(s: SwarmBenchSettings, *, workdir: str | None = None,
                     on_progress: Callable[[str], None] | None = None) -> dict:
     say = on_progress or (lambda _msg: None)
     sets = list(s.overrides)
-    cfg = ModelConfig.from_dict(_typed(sets), source="bench swarm config")
+    cfg = ModelConfig.from_dict(typed_settings(sets), source="bench swarm config")
     if s.eval_windows > 64 or s.curve_windows > 64:
         raise ValueError("eval windows are scored in one hop batch: at most 64")
     if sorted(set(s.averaged_plan)) != list(range(cfg.n_blocks)):

@@ -36,7 +36,7 @@ def run_swarm(*, nodes: int | None, budget_s: float, data: str, overrides: list[
               on_progress: Callable[[list[dict], float], None] | None = None,
               average_every: int = 10) -> dict:
     sets = SWARM_DEFAULTS + list(overrides)
-    cfg = ModelConfig.from_dict(_typed(sets), source="swarm config")
+    cfg = ModelConfig.from_dict(typed_settings(sets), source="swarm config")
     n = nodes or cfg.n_blocks + 1
     blocks = plan_blocks(n, cfg.n_blocks)
     base = Path(workdir or tempfile.mkdtemp(prefix="bt-swarm-"))
@@ -93,7 +93,8 @@ def run_swarm(*, nodes: int | None, budget_s: float, data: str, overrides: list[
             swarm.stop_all()
 
 
-def _typed(sets: list[str]) -> dict:
+def typed_settings(sets: list[str]) -> dict:
+    """["key=value", ...] -> {key: value}, values parsed as JSON where they parse (numbers, bools)."""
     import json
     out = {}
     for kv in sets:
