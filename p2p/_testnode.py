@@ -137,6 +137,11 @@ class ControlledNode:
             return [[h.primary.peer_id, [a.peer_id for a in h.alternates]] for h in plan.hops]
         if cmd == "local_entries":
             return self.disc.dht.run_coroutine(partial(_local_entries, key=blocks_key(run)))
+        if cmd == "fetched_entries":  # what a DHT lookup returns before readers interpret it
+            found = self.disc.dht.get(blocks_key(run), latest=True)
+            entries = found.value if found is not None and isinstance(found.value, dict) else {}
+            return [{"block": p[0] if (p := parse_block_subkey(sk)) else None,
+                     "owner": p[1].decode()[-24:] if p else None} for sk in entries]
         if cmd == "traffic":
             return vars(self.server.traffic.snapshot()) if self.server else None
         raise ValueError(f"unknown command {cmd!r}")

@@ -172,15 +172,18 @@ def rogue_main(argv: list[str]) -> None:
     try:
         victim_marker = b"[owner:" + a.victim_public_key.encode() + b"]"
         base = dict(peer_id=a.victim_peer_id, block_index=0, state="online", step=999, samples_seen=0,
-                    throughput=1.0, load=0.0, serving=True, addresses=[], software_version="rogue",
+                    throughput=1.0, loss=None, last_round_time=None, load=0.0, serving=True, addresses=[],
+                    software_version="rogue",
                     config_hash=a.config_hash, run_id=a.run_id)
-        exp = get_dht_time() + 30
+        exp = get_dht_time() + 60
         k = blocks_key(a.run_id)
+        dht.get(k, latest=True)   # a lookup first, so the routing table knows the honest nodes
         results = {
             "forge": dht.store(k, base, exp, subkey=b"0" + victim_marker),
             "invalid": dht.store(k, {**base, "block_index": "4", "load": 7.0}, exp, subkey=b"4" + owner_marker(key)),
-            "impersonate": dht.store(k, {**base, "block_index": 5}, exp, subkey=b"5" + owner_marker(key)),
         }
+        # a record valid as a record (every field of an announcement, signed by the key it names)
+        results["impersonate"] = dht.store(k, {**base, "block_index": 5}, exp, subkey=b"5" + owner_marker(key))
         print(json.dumps({"results": results, "rogue_owner": key.get_public_key().to_bytes().decode()[-24:]}),
               flush=True)
     finally:

@@ -40,7 +40,10 @@ def net(tmp_path_factory):
         sw.start_join(block=1, args=manual, wait=False)
         for b in (2, 3):
             sw.start_join(block=b, args=["--max-steps", str(MAX_STEPS)], wait=False)
-        sw.start_join(block=1, args=manual, wait=False)   # the replica
+        # the replica trains twice as long: if it joins after the first replica has finished and
+        # downloads that state (a late joiner does), it still trains on and the two differ
+        replica = ["--max-steps", str(2 * MAX_STEPS), *manual[2:]]
+        sw.start_join(block=1, args=replica, wait=False)
         for n in sw.nodes[1:]:
             n.wait_ready()
         client = NetworkClient([sw.seed_maddr], "nettest")
@@ -83,7 +86,8 @@ def test_swarm_trains_averages_replicas_and_chain_ce_falls(net):
     fresh = [obj.build_block(b) for b in range(client.cfg.n_blocks)]
     windows = eval_windows(split.eval, client.cfg.seq_len, 8)
     ce_start = obj.score(obj.local_hops(fresh), windows, k=2, generator=torch.Generator().manual_seed(0)).ce
-    _wait(lambda: all(n.get("/v1/status")["self"]["step"] >= MAX_STEPS for n in sw.nodes), 300, "max steps")
+    goal = {n.name: MAX_STEPS for n in sw.nodes} | {sw.nodes[4].name: 2 * MAX_STEPS}
+    _wait(lambda: all(n.get("/v1/status")["self"]["step"] >= goal[n.name] for n in sw.nodes), 300, "max steps")
     before = _distance(_block_state(client, r1, 1), _block_state(client, r2, 1))
     verdicts = {}
 
