@@ -137,11 +137,13 @@ class _Trainee:
             self.objective = get_objective(cfg)
             self.module = self.objective.build_block(block_index).to(device)
             self.layers = cfg.layers_per_block
+            self.tokens_per_window = self.objective.train_tokens_per_window
             gen = torch.Generator().manual_seed(seed + 1)
             self.loss_fn = lambda: self.objective.local_loss(self.module, block_index, self.windows, gen)
         else:
             self.module = ReferenceLM(cfg).to(device)
             self.layers = cfg.reference_layers
+            self.tokens_per_window = cfg.seq_len
             self.loss_fn = reference_loss_fn(self.module, self.windows)
         self.opt = make_optimizer(self.module, cfg)
         self.steps = 0
@@ -153,7 +155,7 @@ class _Trainee:
 
     def describe(self) -> dict:
         return {"layers": self.layers, "params": _n_params(self.module),
-                "flops_per_step": train_flops_per_step(self.module, self.cfg.batch_size, self.cfg.seq_len)}
+                "flops_per_step": train_flops_per_step(self.module, self.cfg.batch_size, self.tokens_per_window)}
 
 
 def _sync(device: torch.device) -> None:

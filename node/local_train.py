@@ -104,7 +104,9 @@ class LocalRun:
 
     def flops(self) -> dict[str, float]:
         b, t = self.cfg.batch_size, self.cfg.seq_len
-        out = {tr.name: train_flops_per_step(tr.module, b, t) * tr.steps for tr in self.trainees}
+        t_block = self.objective.train_tokens_per_window   # a block may see more positions per window
+        out = {tr.name: train_flops_per_step(tr.module, b, t_block if tr.name.startswith("block") else t) * tr.steps
+               for tr in self.trainees}
         out["chain"] = sum(v for k, v in out.items() if k.startswith("block"))
         return out
 

@@ -324,3 +324,27 @@ def test_left_to_right_one_sweep_equals_autoregressive_when_each_hop_reveals_one
     blocks = [randomise(obj.build_block(b), seed=b) for b in range(3)]
     hops = obj.local_hops(blocks)
     assert obj.generate_one_sweep(hops, b"some text", 10) == obj.generate_autoregressive(hops, b"some text", 10)
+
+
+# -- compute accounting -----------------------------------------------------------------------------------
+def test_flop_count_charges_a_block_for_its_longer_training_forward():
+    """A chunked-masked block runs [noisy || clean] positions per window: equal-compute tables must
+    charge it for them, and the reference only for seq_len."""
+    import numpy as np
+
+    from blocktrain.blocks.data import DataSplit
+    from blocktrain.blocks.flops import train_flops_per_step
+    from blocktrain.node.local_train import LocalRun
+
+    cfg = cm_config(n_blocks=2)
+    obj = get_objective(cfg)
+    assert obj.train_tokens_per_window > cfg.seq_len
+    assert get_objective(tiny_config()).train_tokens_per_window == cfg.seq_len   # paper: one pass
+    data = np.frombuffer(b"the cat sat on the mat. " * 40, dtype=np.uint8)
+    run = LocalRun(cfg, DataSplit(data, data, "test", "in-memory"), torch.device("cpu"))
+    run.round()
+    f = run.flops()
+    bs = cfg.batch_size
+    assert f["block0"] == train_flops_per_step(run.blocks[0], bs, obj.train_tokens_per_window)
+    assert f["reference"] == train_flops_per_step(run.ref, bs, cfg.seq_len)
+    assert f["chain"] == f["block0"] + f["block1"]
