@@ -23,15 +23,16 @@ def data_options(fn):
     return fn
 
 
-def _train(cfg, data, eval_data, budget, device, seed, small_reference, quiet):
+def _train(cfg, data, eval_data, budget, device, seed, small_reference, quiet, reference=True):
     split = resolve_data(data, eval_data, seq_len=cfg.seq_len)
-    run = LocalRun(cfg, split, pick_device(device), seed=seed, reference=True,
+    run = LocalRun(cfg, split, pick_device(device), seed=seed, reference=reference,
                    small_reference=small_reference)
     if not quiet:
         err_console.print(f"[bold]data[/]: {split.description}  [bold]protocol[/]: {split.protocol}")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), console=err_console, disable=quiet, transient=True) as bar:
-        task = bar.add_task(f"training {cfg.n_blocks} blocks + reference", total=1.0, info="")
+        what = f"{cfg.n_blocks} blocks" + (" + reference" if reference else "")
+        task = bar.add_task(f"training {what}", total=1.0, info="")
 
         def on_round(r: LocalRun, frac: float) -> None:
             if r.rounds % 5 == 0 or frac >= 1.0:
@@ -52,10 +53,12 @@ def _train(cfg, data, eval_data, budget, device, seed, small_reference, quiet):
 @click.option("--seed", type=int, default=0, show_default=True, help="Data/noise sampling seed.")
 @click.option("--k", "k", type=int, default=4, show_default=True, help="Chain samples averaged when scoring.")
 @click.option("--eval-windows", type=int, default=64, show_default=True, help="Held-out windows scored.")
+@click.option("--reference/--no-reference", default=True, show_default=True,
+              help="Also train the end-to-end reference (one step per round, like each block).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @friendly
 def train_local(data, eval_data, config_path, objective, overrides, budget, out, device, seed, k,
-                eval_windows, as_json):
+                eval_windows, reference, as_json):
     """Train all B blocks and the end-to-end reference locally, then score them on held-out text.
 
     \b
@@ -63,7 +66,7 @@ def train_local(data, eval_data, config_path, objective, overrides, budget, out,
       bt-node train-local --data ../shared/data/wikitext-2-raw --budget 90s --out runs/local
     """
     cfg = build_config(config_path, objective, overrides)
-    run = _train(cfg, data, eval_data, Budget.parse(budget), device, seed, False, as_json)
+    run = _train(cfg, data, eval_data, Budget.parse(budget), device, seed, False, as_json, reference)
     res = run.evaluate(n_windows=eval_windows, k=k)
     if out:
         run.save(out)

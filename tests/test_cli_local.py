@@ -67,6 +67,18 @@ def test_train_local_json_contract_and_eval_of_saved_checkpoint(tmp_path):
     assert res2["reference_ce"] == pytest.approx(res["reference_ce"], abs=1e-4)
 
 
+def test_no_reference_trains_and_saves_only_the_blocks(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("the quick brown fox jumps over the lazy dog. " * 300)
+    out = tmp_path / "ck"
+    r = bt("train-local", "--data", str(f), "--budget", "2steps", "--no-reference", "--out", str(out), "--json",
+           "--eval-windows", "4", "--k", "1", *TINY)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert "reference_ce" not in res and "chain_ce" in res and res["protocol"] != "wt2-offline"
+    assert "reference.safetensors" not in {p.name for p in out.iterdir()}
+
+
 def test_bad_input_gives_one_clear_line_and_nonzero_exit(tmp_path):
     r = bt("train-local", "--data", str(tmp_path / "missing.txt"), "--budget", "1steps", *TINY)
     assert r.returncode == 1 and "Traceback" not in r.stderr and "missing.txt" in r.stderr
