@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .modulated_norm import modulated_layer_norm
+
 
 class SelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float = 0.0):
@@ -63,9 +65,9 @@ class TransformerLayer(nn.Module):
         if m.dim() == 2:
             m = m.unsqueeze(1)
         s1, b1, g1, s2, b2, g2 = m.chunk(6, dim=-1)
-        # addcmul keeps one saved activation per modulation instead of two (memory of a block step)
-        x = torch.addcmul(x, self.attn(torch.addcmul(b1, self.norm1(x), 1 + s1), attn_mask), 1 + g1)
-        return torch.addcmul(x, self.mlp(torch.addcmul(b2, self.norm2(x), 1 + s2)), 1 + g2)
+        # fused norm+modulation and addcmul gates keep the fewest activations (memory of a block step)
+        x = torch.addcmul(x, self.attn(modulated_layer_norm(x, s1, b1, self.norm1.eps), attn_mask), 1 + g1)
+        return torch.addcmul(x, self.mlp(modulated_layer_norm(x, s2, b2, self.norm2.eps)), 1 + g2)
 
 
 class NoiseEmbedding(nn.Module):

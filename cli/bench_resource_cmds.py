@@ -45,6 +45,9 @@ def memory_table(res: dict) -> Table:
               _f(res["ratio_peak_rss"], ".3f"))
     t.add_row("peak RSS above baseline (MiB)", _f(b["peak_increase_mib"]), _f(r["peak_increase_mib"]),
               _f(res["ratio_peak_increase"], ".3f"))
+    if res.get("ratio_live_tensors") is not None:
+        t.add_row("live tensors, peak during a step (MiB)", _f(b["live_peak_mib"]), _f(r["live_peak_mib"]),
+                  _f(res["ratio_live_tensors"], ".3f"))
     if "glibc_mmap" in res:
         g = res["glibc_mmap"]
         t.add_row(f"peak RSS above baseline, {g['env']} (MiB)", _f(g["block"]["peak_increase_mib"]),
@@ -107,8 +110,8 @@ def bench_memory_cmd(config_path, objective, overrides, steps, block_index, devi
 
     \b
     Each is trained for --steps AdamW steps at the same batch and seq_len in a fresh process.
-    CPU: peak RSS of the whole process and peak RSS above a warm-runtime baseline; CUDA:
-    torch.cuda.max_memory_allocated.
+    CPU: peak bytes of live tensors (the headline; allocator events), peak RSS of the whole
+    process and peak RSS above a warm-runtime baseline; CUDA: torch.cuda.max_memory_allocated.
     Example:
       bt-node bench memory --json
     """

@@ -194,3 +194,27 @@ def test_config_files_load_validate_and_hash_stably(tmp_path):
         ModelConfig.from_dict({"n_blokcs": 3})
     with pytest.raises(ConfigError, match="objective"):
         get_objective(ModelConfig(objective="nope"))
+
+
+def test_fused_adaln_norm_matches_the_composed_ops_and_keeps_fewer_activations():
+    from blocktrain.blocks.modulated_norm import modulated_layer_norm
+    torch.manual_seed(0)
+    for shape in [(3, 1, 8), (3, 5, 8)]:   # per-sequence and per-position modulation
+        x = torch.randn(3, 5, 8, dtype=torch.double, requires_grad=True)
+        s = torch.randn(*shape, dtype=torch.double, requires_grad=True)
+        b = torch.randn(*shape, dtype=torch.double, requires_grad=True)
+        assert torch.autograd.gradcheck(modulated_layer_norm, (x, s, b))
+        composed = torch.addcmul(b, torch.nn.functional.layer_norm(x, (8,)), 1 + s)
+        assert torch.allclose(modulated_layer_norm(x, s, b), composed, atol=1e-12)
+
+    def saved_bytes(fn):
+        total = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: total.append(t.numel()) or t, lambda t: t):
+            fn()
+        return sum(total)
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    s, b = (torch.randn(4, 1, 32, requires_grad=True) for _ in range(2))
+    w = torch.nn.Linear(32, 32)
+    fused = saved_bytes(lambda: w(modulated_layer_norm(x, s, b)))
+    plain = saved_bytes(lambda: w(torch.addcmul(b, torch.nn.functional.layer_norm(x, (32,)), 1 + s)))
+    assert fused <= plain - x.numel()   # one (N, T, d) activation fewer per use
