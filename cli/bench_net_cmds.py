@@ -127,6 +127,69 @@ def bench_swarm_cmd(steps, average_every, compressions, layout, overrides, data,
                    + (f"; averaged (fp32) {f32['chain_ce']:.4f} ({f32['ce_minus_baseline']:+.4f})" if f32 else ""))
 
 
+# -- bench compression ---------------------------------------------------------------------------
+def compression_table(res: dict) -> Table:
+    s = res["settings"]
+    t = Table(title=f"bench compression: the averaging codec alone ({s['steps']} lock-step steps, a round every "
+                    f"{s['average_every']}; chain CE on {s['eval_windows']} held-out windows, K={s['k']})")
+    for col in ("run", "workers", "chain CE", "vs fp32", "weights vs fp32 (rel. L2)", "train s"):
+        t.add_column(col, justify="right" if col != "run" else "left")
+    for name, r in res["runs"].items():
+        t.add_row(name, str(r["workers"]), _f(r["chain_ce"]), _f(r.get("delta_ce_vs_fp32"), "+.5f"),
+                  _f(r.get("weights_rel_l2_vs_fp32"), ".2e"), _f(r["seconds"], ".0f"))
+    goals = [f"{k}: {'met' if g['met'] else 'MISSED'} (delta {g['delta_ce']:+.5f})" for k, g in res["goals"].items()]
+    t.caption = f"protocol {res['protocol']}; config {res['config_hash']}. " + "; ".join(goals) + f". {res['method']}."
+    return t
+
+
+@click.command("compression")
+@click.option("--steps", type=click.IntRange(1), default=None,
+              help="Lock-step optimizer steps of every worker [default: 200; 20 with --tiny].")
+@click.option("--average-every", type=click.IntRange(1), default=None,
+              help="Steps between averaging rounds [default: 10; 5 with --tiny].")
+@click.option("--compression", "compressions", multiple=True, type=click.Choice(["fp32", "fp16", "8bit"]),
+              help="Codecs to compare, one averaged run each (repeatable) [default: fp32 fp16 8bit].")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override the model config.")
+@click.option("--data", default="auto", show_default=True,
+              help="auto = ../shared WikiText-2 if present (wt2-offline), else HF wikitext-2, else stdlib text.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Data/noise seed shared by every run.")
+@click.option("--record", type=click.Path(dir_okay=False), default=None, help="Append a dated JSON line here.")
+@click.option("--tiny", is_flag=True, help="2 blocks, 3 workers, tiny model: seconds.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@friendly
+def bench_compression_cmd(steps, average_every, compressions, overrides, data, seed, record, tiny, as_json):
+    """Quality cost of the averaging codec alone: same workers, data and rounds, only the codec differs.
+
+    \b
+    bench swarm's workers (default 6 over 4 blocks) train in one process in lock step; every
+    --average-every steps each block's replicas average through a butterfly all-reduce that
+    encodes what crosses the wire with hivemind's codec. Compares the chain CE of each codec
+    with fp32 and with no averaging (one worker per block). Bytes: see bench swarm.
+    Example:
+      bt-node bench compression --json
+    """
+    from ..node.bench_compression import CompressionBenchSettings, run_bench_compression   # imports hivemind
+
+    s = CompressionBenchSettings.tiny() if tiny else CompressionBenchSettings()
+    s.overrides += list(overrides)
+    s.data, s.seed = data, seed
+    if steps is not None:
+        s.steps = steps
+    if average_every is not None:
+        s.average_every = average_every
+    if compressions:
+        s.compressions = list(dict.fromkeys(compressions))
+    res = run_bench_compression(s, say=_say(as_json) or (lambda msg: None))
+    _record(record, res)
+    if as_json:
+        emit_json(res)
+    else:
+        err_console.print(compression_table(res))
+        g = res["goals"].get("fp16_ce_within_0.01")
+        if g:
+            click.echo(f"fp16 vs fp32 averaging: chain CE {g['delta_ce']:+.5f} nats/byte")
+
+
 # -- bench inference -----------------------------------------------------------------------------
 def inference_table(res: dict) -> Table:
     t = Table(title=f"bench inference: chain of {res['hops']} node processes, {res['delay_ms']:g} ms injected "

@@ -75,7 +75,7 @@ def _count_stream_messages(counters) -> None:
     P2P.receive_protobuf = staticmethod(counted_receive)
 
 
-def _fix_8bit_extract() -> None:
+def patch_8bit_decoder() -> None:
     """hivemind 1.1.12 reads an 8-bit part's codebook size with ``int()`` of a 1-element array, which
     NumPy 2 refuses: every 8-bit part then fails to decode and the round silently averages nothing.
     Same decoding, reading the size as a scalar (in the averager's process only)."""
@@ -87,8 +87,8 @@ def _fix_8bit_extract() -> None:
         codebook_size = int(np.frombuffer(buf, count=1, dtype=np.int64)[0])
         codebook = np.frombuffer(buf, offset=8, count=codebook_size, dtype=self.codebook_dtype)
         quantized = np.frombuffer(buf, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
-        quantized = torch.as_tensor(quantized, dtype=torch.int64).reshape(tuple(serialized_tensor.size))
-        codebook = torch.as_tensor(codebook).to(dtype=getattr(torch, serialized_tensor.dtype))
+        quantized = torch.from_numpy(quantized.astype(np.int64)).reshape(tuple(serialized_tensor.size))
+        codebook = torch.from_numpy(codebook.copy()).to(dtype=getattr(torch, serialized_tensor.dtype))
         return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
 
     Quantization.extract = extract
@@ -103,7 +103,7 @@ class _BlockStateAverager(DecentralizedAverager):
     def run(self):   # in the averager's child process
         if self.bt_counters is not None:
             _count_stream_messages(self.bt_counters)
-        _fix_8bit_extract()
+        patch_8bit_decoder()
         super().run()
 
     def get_current_state(self):
