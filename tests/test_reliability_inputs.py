@@ -353,11 +353,12 @@ def test_http_caps_413_503_429(node):
     c503 = results.count(503)
     assert results.count(200) >= 1 and c503 >= 4, results
     # rate limit: a burst of quick POSTs from one address runs out of tokens
-    codes = collections.Counter(httpx.post(url + "/v1/generate", json={"max_bytes": 0}, timeout=30).status_code
-                                for _ in range(40))
+    with httpx.Client(timeout=30) as cl:   # one kept-alive connection: the burst outpaces the 5/s refill
+        burst = [cl.post(url + "/v1/generate", json={"max_bytes": 0}) for _ in range(40)]
+    codes = collections.Counter(r.status_code for r in burst)
     assert codes[429] >= 10 and set(codes) <= {422, 429}, codes
-    r = httpx.post(url + "/v1/generate", json={"max_bytes": 0}, timeout=30)
-    assert r.status_code == 429 and "rate" in r.json()["detail"]
+    # (the refusal itself, not a request after the burst: a slow machine refills the bucket meanwhile)
+    assert all("rate" in r.json()["detail"] for r in burst if r.status_code == 429)
     COUNTS["http_caps"] += 1 + c503 + codes[429] + codes[422]
     _alive(node)
     report("http_caps", status_413=1, concurrent_12=dict(collections.Counter(results)), burst_40=dict(codes))
