@@ -42,14 +42,14 @@ def swarm_table(res: dict) -> Table:
     s = res["settings"]
     t = Table(title=f"bench swarm: {s['max_steps']} local steps per worker, chain CE on "
                     f"{s['eval_windows']} held-out windows (K={s['k']}); untrained {res['ce_init']:.3f}")
-    for col in ("run", "workers", "chain CE", "vs baseline", "rounds ok/tried (rej, fail)",
+    for col in ("run", "workers", "chain CE", "vs baseline", "rounds ok/tried (rej, fail; partial)",
                 "mean group", "MB sent (averaging)", "MB / formed round", "train s", "CE gain / GB"):
         t.add_column(col, justify="right" if col != "run" else "left")
     for name, r in res["runs"].items():
         rd = r["rounds"]
         groups = [v["mean_group_size"] for v in r["rounds_by_block"].values()]
         t.add_row(name, str(r["workers_n"]), _f(r["chain_ce"]), _f(r.get("ce_minus_baseline"), "+.4f"),
-                  f"{rd['succeeded']}/{rd['attempted']} ({rd['rejected']}, {rd['failed']})",
+                  f"{rd['succeeded']}/{rd['attempted']} ({rd['rejected']}, {rd['failed']}; {rd.get('partial', 0)})",
                   _f(sum(groups) / len(groups), ".2f") if groups else "-", _mb(r["bytes_sent_total"]),
                   _mb(r["averaging_bytes_sent_per_formed_round"]), _f(r["train_wall_s"], ".0f"),
                   _f(r.get("ce_gain_per_gb"), ".1f"))

@@ -165,3 +165,36 @@ class PeerBans:
             for p in [p for p, t in self._until.items() if t <= now]:
                 del self._until[p]
             return set(self._until)
+
+
+# -- did the all-reduce average everything? ------------------------------------------------------
+SKETCH_SIZE = 8
+
+
+def weight_sketch(tensors: Sequence[torch.Tensor]) -> list[float]:
+    """A linear fingerprint of a block's weights: sums over SKETCH_SIZE interleaved slices of the
+    flattened tensors. Linear, so the sketch of a weighted mean is the weighted mean of sketches,
+    and every slice draws on every tensor part the all-reduce moves."""
+    flat = torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
+    return [float(flat[j::SKETCH_SIZE].sum()) for j in range(SKETCH_SIZE)]
+
+
+def round_completeness(own: Sequence[float], result: Sequence[float],
+                       members: Sequence[tuple[float, Sequence[float]]], min_move: float = 1e-4) -> float | None:
+    """How much of the way from our weights to the group's weighted mean the round moved us, read
+    off the sketches: 1.0 for a complete average, about the averaged fraction for a partial one
+    (hivemind leaves the parts of a failed reducer unchanged), None when the members' weights were
+    too close to tell (then a partial round changes nothing anyway).
+
+    ``members``: (weight, sketch) of every group member, ourselves included, as gathered."""
+    total = sum(w for w, _ in members)
+    if total <= 0 or not members:
+        return None
+    mean = [sum(w * s[j] for w, s in members) / total for j in range(len(own))]
+    want = [m - o for m, o in zip(mean, own)]
+    got = [r - o for r, o in zip(result, own)]
+    scale = math.sqrt(sum(m * m for m in mean)) + 1.0
+    want2 = sum(x * x for x in want)
+    if math.sqrt(want2) < min_move * scale:
+        return None
+    return sum(a * b for a, b in zip(got, want)) / want2   # projection of the move onto the wanted move

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import multiprocessing as mp
 import threading
 import time
@@ -23,7 +24,8 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
-from .acceptance import AcceptancePolicy, PeerBans, Verdict, check_group, judge
+from .acceptance import (AcceptancePolicy, PeerBans, Verdict, check_group, judge, round_completeness,
+                         weight_sketch)
 from .trainer import BlockTrainer
 
 log = logging.getLogger(__name__)
@@ -161,6 +163,8 @@ class AveragingStats:
     succeeded: int = 0
     rejected: int = 0
     failed: int = 0
+    partial: int = 0          # accepted rounds whose result moved < 90 % of the way to the group's mean
+    last_completeness: float | None = None
     last_round_time: float | None = None
     last_accepted_time: float | None = None
     last_group_size: int = 0
@@ -253,7 +257,8 @@ class BlockAverager:
             for s, x in zip(shared, snapshot):
                 s.copy_(x)
         stamp = {"round": self.round_no, "step": step, "peer": self.peer_id,
-                 "config_hash": t.cfg.config_hash, "n_tensors": len(snapshot)}
+                 "config_hash": t.cfg.config_hash, "n_tensors": len(snapshot),
+                 "weight": weight, "sketch": weight_sketch(snapshot)}
         gathered, error = None, None
         try:
             self.averager.bt_set_refused(self.bans.banned())
@@ -309,8 +314,25 @@ class BlockAverager:
                 p.data.add_((a - s).to(p.device, p.dtype))
             t.samples_since_average = 0
         self.stats.succeeded += 1
+        self._note_completeness(gathered, stamp, averaged)
         self.stats.last_accepted_time = time.time()
         return verdict
+
+    def _note_completeness(self, gathered: dict, stamp: dict, averaged) -> None:
+        """Diagnostics only: did the all-reduce average every part? (members' claims are not trusted
+        for acceptance; a member that lies here only skews this counter)."""
+        try:
+            members = [(float(g["weight"]), [float(x) for x in g["sketch"]]) for g in gathered.values()]
+            if any(len(s) != len(stamp["sketch"]) or not math.isfinite(w) for w, s in members):
+                return
+            c = round_completeness(stamp["sketch"], weight_sketch(averaged), members)
+        except (KeyError, TypeError, ValueError):
+            return
+        self.stats.last_completeness = c
+        if c is not None and c < 0.9:
+            self.stats.partial += 1
+            log.info("averaging round %d was partial: moved %.0f %% of the way to the group's mean",
+                     self.round_no, 100 * c)
 
     def _is_banned(self, peer: str) -> bool:
         return self.bans.is_banned(peer) or (self.banned is not None and bool(self.banned(peer)))

@@ -261,7 +261,7 @@ class _Run:
             workers.append({
                 "name": nd.name, "block": b, "peer_id": nd.info["peer_id"], "steps": st["self"]["step"],
                 "loss": st["self"]["loss"],
-                "rounds": {k: av[k] for k in ("attempted", "succeeded", "rejected", "failed")},
+                "rounds": {k: av.get(k, 0) for k in ("attempted", "succeeded", "rejected", "failed", "partial")},
                 "group_sizes": g,
                 "averaging_bytes_sent": av.get("bytes_sent", 0), "averaging_bytes_received": av.get("bytes_received", 0),
                 "averaging_messages_sent": av.get("messages_sent", 0),
@@ -285,7 +285,8 @@ class _Run:
             }
         sent = sum(w["averaging_bytes_sent"] for w in workers)   # training traffic: the averagers'; each byte once
         formed_total = sum(len(w["group_sizes"]) for w in workers)
-        rounds = {k: sum(w["rounds"][k] for w in workers) for k in ("attempted", "succeeded", "rejected", "failed")}
+        rounds = {k: sum(w["rounds"][k] for w in workers)
+                  for k in ("attempted", "succeeded", "rejected", "failed", "partial")}
         ces = [final[r] for r in sorted(final)]
         return {
             "name": self.name, "workers_n": len(self.plan), "plan": self.plan, "averaging": self.averaging,

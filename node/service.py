@@ -71,7 +71,8 @@ class NodeBackend:
             "blocks": blocks,
             "losses": [[round(ts, 3), st, round(l, 5)] for ts, st, l in list(t.losses)[-200:]],
             "averaging": {"attempted": s.attempted, "succeeded": s.succeeded, "rejected": s.rejected,
-                          "failed": s.failed, "last_round_time": s.last_round_time,
+                          "failed": s.failed, "partial": s.partial, "last_completeness": s.last_completeness,
+                          "last_round_time": s.last_round_time,
                           "last_group_size": s.last_group_size, "last_verdict": s.last_verdict,
                           "compression": s.compression, **a.traffic(),
                           "history": [[round(ts, 3), g, ok, why] for ts, g, ok, why in list(s.history)]},
@@ -88,6 +89,7 @@ class NodeBackend:
              "averaging_rounds_succeeded_total": float(s.succeeded),
              "averaging_rounds_rejected_total": float(s.rejected),
              "averaging_rounds_failed_total": float(s.failed),
+             "averaging_rounds_partial_total": float(s.partial),
              **{f"averaging_{k}_total": float(v) for k, v in node.averager.traffic().items()},
              "peers_banned_total": float(node.bans.total),
              "checkpoints_written_total": float(node.checkpoints_written)}

@@ -133,3 +133,27 @@ def test_fault_injection_knob():
     assert torch.isinf(_inject_fault("inf_hops", s, None)[0]).all()
     assert _inject_fault("shape_hops", s, None)[0].shape != s.shape
     assert set(FAULTS) == {"nan_hops", "inf_hops", "shape_hops"}
+
+
+def test_round_completeness_tells_a_full_average_from_a_partial_one():
+    from blocktrain.node.acceptance import round_completeness, weight_sketch
+    g = torch.Generator().manual_seed(0)
+    mine = [torch.randn(300, 20, generator=g), torch.randn(50, generator=g)]
+    theirs = [t + 0.1 * torch.randn(t.shape, generator=g) for t in mine]
+    w_mine, w_theirs = 3.0, 1.0
+    mean = [(w_mine * a + w_theirs * b) / 4.0 for a, b in zip(mine, theirs)]
+    members = [(w_mine, weight_sketch(mine)), (w_theirs, weight_sketch(theirs))]
+    full = round_completeness(weight_sketch(mine), weight_sketch(mean), members)
+    assert full == pytest.approx(1.0, abs=1e-4)   # float32 tensors, double sketches
+    # hivemind leaves a failed reducer's parts unchanged: here the second half of the flat vector
+    flat_mine, flat_mean = torch.cat([t.reshape(-1) for t in mine]), torch.cat([t.reshape(-1) for t in mean])
+    half = flat_mine.numel() // 2
+    partial = torch.cat([flat_mean[:half], flat_mine[half:]])
+    c = round_completeness(weight_sketch(mine), weight_sketch([partial]), members)
+    assert 0.3 < c < 0.7, c
+    assert round_completeness(weight_sketch(mine), weight_sketch(mine), members) == pytest.approx(0.0, abs=1e-6)
+    # identical members: nothing to tell
+    same = [(1.0, weight_sketch(mine)), (1.0, weight_sketch(mine))]
+    assert round_completeness(weight_sketch(mine), weight_sketch(mine), same) is None
+    # linear: the sketch of a mean is the mean of the sketches
+    assert weight_sketch(mean) == pytest.approx([(3 * a + b) / 4 for a, b in zip(*(s for _, s in members))], rel=1e-5)
