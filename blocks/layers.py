@@ -65,7 +65,8 @@ class TransformerLayer(nn.Module):
         if m.dim() == 2:
             m = m.unsqueeze(1)
         s1, b1, g1, s2, b2, g2 = m.chunk(6, dim=-1)
-        # fused norm+modulation and addcmul gates keep the fewest activations (memory of a block step)
+        # fused norm+modulation keeps one (N, T, d) activation fewer per norm; addcmul gates keep one
+        # activation per gate instead of two (the memory of a block step)
         x = torch.addcmul(x, self.attn(modulated_layer_norm(x, s1, b1, self.norm1.eps), attn_mask), 1 + g1)
         return torch.addcmul(x, self.mlp(modulated_layer_norm(x, s2, b2, self.norm2.eps)), 1 + g2)
 

@@ -323,10 +323,12 @@ class BlockAverager:
         for acceptance; a member that lies here only skews this counter)."""
         try:
             members = [(float(g["weight"]), [float(x) for x in g["sketch"]]) for g in gathered.values()]
-            if any(len(s) != len(stamp["sketch"]) or not math.isfinite(w) for w, s in members):
-                return
+            if any(len(s) != len(stamp["sketch"]) or not all(map(math.isfinite, [w, *s])) for w, s in members):
+                return   # a member sent no usable sketch (an older node, or garbage)
             c = round_completeness(stamp["sketch"], weight_sketch(averaged), members)
         except (KeyError, TypeError, ValueError):
+            return
+        if c is not None and not math.isfinite(c):
             return
         self.stats.last_completeness = c
         if c is not None and c < 0.9:

@@ -278,8 +278,8 @@ def _child_cmd(cfg: ModelConfig, which: str, *, steps: int, device: torch.device
 def _measure_in_subprocesses(cfg: ModelConfig, *, steps: int, device: torch.device, block_index: int,
                              timeout: float, threads: int | None,
                              env: dict[str, str] | None = None) -> dict[str, dict]:
-    """Block and reference, each in its own fresh process, one after the other (run side by side
-    on a small CPU, the two contend for cores and the allocator caches differently)."""
+    """Block and reference, each in its own fresh process, one after the other, so neither competes
+    with the other for cores or memory bandwidth while it is measured."""
     names = ("block", "reference")
     procs: dict[str, subprocess.Popen] = {}
     out: dict[str, dict] = {}

@@ -157,3 +157,26 @@ def test_round_completeness_tells_a_full_average_from_a_partial_one():
     assert round_completeness(weight_sketch(mine), weight_sketch(mine), same) is None
     # linear: the sketch of a mean is the mean of the sketches
     assert weight_sketch(mean) == pytest.approx([(3 * a + b) / 4 for a, b in zip(*(s for _, s in members))], rel=1e-5)
+
+
+def test_garbage_sketches_from_a_member_leave_the_round_diagnostics_alone():
+    """A member's gathered sketch is untrusted input: non-finite or malformed ones must not reach
+    /v1/status (a NaN there would make the status JSON unencodable)."""
+    pytest.importorskip("hivemind")
+    from blocktrain.node.acceptance import weight_sketch
+    from blocktrain.node.averaging import AveragingStats, BlockAverager
+    mine = [torch.ones(40, 10)]
+    mean = [torch.full((40, 10), 2.0)]
+    stamp = {"weight": 1.0, "sketch": weight_sketch(mine)}
+    for bad in (float("inf"), float("nan")):
+        fake = SimpleNamespace(stats=AveragingStats(), round_no=1)
+        gathered = {"me": stamp, "them": {"weight": 1.0, "sketch": [bad] * len(stamp["sketch"])}}
+        BlockAverager._note_completeness(fake, gathered, stamp, mean)
+        assert fake.stats.last_completeness is None and fake.stats.partial == 0
+    fake = SimpleNamespace(stats=AveragingStats(), round_no=1)
+    for junk in ({"weight": "x", "sketch": [1.0]}, {"sketch": None}, "not a dict"):
+        BlockAverager._note_completeness(fake, {"me": stamp, "them": junk}, stamp, mean)
+        assert fake.stats.last_completeness is None
+    good = {"me": stamp, "them": {"weight": 1.0, "sketch": weight_sketch([torch.full((40, 10), 3.0)])}}
+    BlockAverager._note_completeness(fake, good, stamp, mean)
+    assert fake.stats.last_completeness == pytest.approx(1.0) and fake.stats.partial == 0
