@@ -23,10 +23,11 @@ def data_options(fn):
     return fn
 
 
-def _train(cfg, data, eval_data, budget, device, seed, small_reference, quiet, reference=True):
+def _train(cfg, data, eval_data, budget, device, seed, small_reference, quiet, reference=True,
+           match_flops=False, upstream_every=1):
     split = resolve_data(data, eval_data, seq_len=cfg.seq_len)
     run = LocalRun(cfg, split, pick_device(device), seed=seed, reference=reference,
-                   small_reference=small_reference)
+                   small_reference=small_reference, match_flops=match_flops, upstream_every=upstream_every)
     if not quiet:
         err_console.print(f"[bold]data[/]: {split.description}  [bold]protocol[/]: {split.protocol}")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
@@ -103,25 +104,32 @@ def eval_cmd(checkpoint, data, eval_data, device, k, eval_windows, as_json):
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--k", "k", type=int, default=4, show_default=True)
 @click.option("--eval-windows", type=int, default=64, show_default=True)
+@click.option("--upstream-every", type=click.IntRange(min=1), default=1, show_default=True,
+              help="forward-chained: block b refreshes its snapshots of blocks < b every N rounds "
+                   "(1 = always current; larger = the staleness of a networked worker).")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def bench_quality(data, eval_data, config_path, objective, overrides, budget, device, seed, k,
-                  eval_windows, as_json):
+                  eval_windows, upstream_every, as_json):
     """BlockTrain vs end-to-end references at EQUAL training FLOPs on the same data and windows.
 
     \b
-    Trains the objective's B blocks, an autoregressive reference of the whole depth (one step
-    per round, like each block) and one of one block's depth (B steps per round), then scores
-    all on the same held-out windows.
+    Trains the objective's B blocks, an autoregressive reference of the whole depth and one of
+    one block's depth, each taking as many steps as the chain's analytic training FLOPs buy it,
+    then scores all on the same held-out windows.
     Example:
       bt-node bench quality --data ../shared/data/wikitext-2-raw --budget 120s --json
     """
     cfg = build_config(config_path, objective, overrides)
-    run = _train(cfg, data, eval_data, Budget.parse(budget), device, seed, True, as_json)
+    run = _train(cfg, data, eval_data, Budget.parse(budget), device, seed, True, as_json,
+                 match_flops=True, upstream_every=upstream_every)
     res = run.evaluate(n_windows=eval_windows, k=k)
     flops = run.flops()
     res["flops_each"] = {"chain": flops["chain"], "reference": flops.get("reference"),
                          "single_block_reference": flops.get("reference_1block")}
+    res["steps_each"] = {tr.name: tr.steps for tr in run.trainees}
+    if run.objective.needs_upstream:
+        res["upstream_every"] = upstream_every
     _report(res, as_json, "bench quality (equal training FLOPs)")
 
 

@@ -49,6 +49,9 @@ def node_options(fn):
         click.option("--inject-delay-ms", type=click.FloatRange(0, 10000), default=0.0, show_default=True,
                      help="Benchmark/testing knob: wait this one-way delay when a hop request arrives and "
                           "again before its answer leaves (each hop's round trip gains 2x; see BENCHMARKS.md)."),
+        click.option("--upstream-refresh", type=click.FloatRange(1, 86400), default=30.0, show_default=True,
+                     help="forward-chained runs only: seconds between re-downloads of the blocks before this "
+                          "node's block, whose outputs it trains on."),
         click.option("--seed", "sample_seed", type=int, default=0, show_default=True),
         click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
                      help="Write a JSON line with peer id, addresses and ports once serving (for scripts)."),
@@ -162,7 +165,7 @@ def private_run_options(fn):
 @friendly
 def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpoint_dir, block, device, host, port,
          announce_host, http_port, http_host, average_every, average_period, checkpoint_every, max_steps,
-         eval_every, sample_seed, ready_file, quiet, averaging_compression, inject_delay_ms):
+         eval_every, sample_seed, ready_file, quiet, averaging_compression, inject_delay_ms, upstream_refresh):
     """Start the first node of a NEW run: publish its manifest, hold a block, print the address.
 
     \b
@@ -176,7 +179,8 @@ def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpo
                    device=device, host=host, port=port, announce_host=announce_host, http_port=http_port,
                    http_host=http_host, average_every=average_every, average_period=average_period,
                    checkpoint_every=checkpoint_every, max_steps=max_steps, eval_every=eval_every, seed=sample_seed,
-                   averaging_compression=averaging_compression, inject_delay_ms=inject_delay_ms)
+                   averaging_compression=averaging_compression, inject_delay_ms=inject_delay_ms,
+                   upstream_refresh=upstream_refresh)
     _run_node(opts, ready_file, quiet, "Seeded")
 
 
@@ -190,7 +194,7 @@ def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpo
 @friendly
 def join(initial_peers, run_id, data, checkpoint_dir, block, device, host, port, announce_host, http_port,
          http_host, average_every, average_period, checkpoint_every, max_steps, eval_every, sample_seed, ready_file, quiet,
-         averaging_compression, inject_delay_ms):
+         averaging_compression, inject_delay_ms, upstream_refresh):
     """Join a run: pick the least-held block, download its current state, train, average and serve.
 
     \b
@@ -203,7 +207,8 @@ def join(initial_peers, run_id, data, checkpoint_dir, block, device, host, port,
                    host=host, port=port, announce_host=announce_host, http_port=http_port, http_host=http_host,
                    average_every=average_every, average_period=average_period,
                    checkpoint_every=checkpoint_every, max_steps=max_steps, eval_every=eval_every, seed=sample_seed,
-                   averaging_compression=averaging_compression, inject_delay_ms=inject_delay_ms)
+                   averaging_compression=averaging_compression, inject_delay_ms=inject_delay_ms,
+                   upstream_refresh=upstream_refresh)
     _run_node(opts, ready_file, quiet, "Joined")
 
 

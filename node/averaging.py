@@ -9,6 +9,7 @@ current state to late joiners (``load_state_from_peers``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -169,6 +170,7 @@ class AveragingStats:
     last_accepted_time: float | None = None
     last_group_size: int = 0
     last_verdict: str = ""
+    last_failure: str = ""    # why the last round that formed no usable group failed
     history: list = field(default_factory=list)   # (time, group size, accepted, reason)
     compression: str = "fp32"
 
@@ -176,13 +178,15 @@ class AveragingStats:
 class BlockAverager:
     def __init__(self, dht, trainer: BlockTrainer, run_id: str, *, peer_id: str = "",
                  policy: AcceptancePolicy | None = None, target_group_size: int = 4,
-                 matchmaking_time: float = 3.0, round_timeout: float = 20.0, compression=None,
+                 matchmaking_time: float = 3.0, round_timeout: float = 20.0, allreduce_timeout: float = 30.0,
+                 compression=None,
                  banned: "callable | None" = None, authorize: "callable | None" = None,
                  prefix: str | None = None, bans: PeerBans | None = None):
         from hivemind.compression import NoCompression
         self.trainer, self.run_id, self.peer_id = trainer, run_id, peer_id
         self.policy = policy or AcceptancePolicy()
-        self.round_timeout = round_timeout
+        self.round_timeout = round_timeout          # matchmaking: find a group within this many seconds
+        self.allreduce_timeout = allreduce_timeout  # then the all-reduce itself, whatever peers do
         self.stats = AveragingStats()
         self.round_no = 0
         self.banned = banned
@@ -198,7 +202,8 @@ class BlockAverager:
             target_group_size=target_group_size, min_group_size=2, min_matchmaking_time=matchmaking_time,
             request_timeout=max(1.0, matchmaking_time / 2), compression=compression or NoCompression(),
             allow_state_sharing=True, next_chunk_timeout=10.0, sender_timeout=5.0, reducer_timeout=10.0,
-        )
+            allreduce_timeout=allreduce_timeout,   # hivemind's default (None) lets a round with a dead
+        )                                          # member hold the averaged tensors' lock for ever
         self.averager.trainer = trainer
         self.averager.bt_authorize = authorize
         self.counters = self.averager.bt_counters = mp.RawArray("q", 4)
@@ -249,13 +254,18 @@ class BlockAverager:
         t = self.trainer
         self.round_no += 1
         self.stats.attempted += 1
+        if not t.upstream_ready():   # forward-chained: cannot judge a round without blocks < b
+            return self._failed("waiting for snapshots of the upstream blocks (forward-chained)")
         with t.lock:
             snapshot = [p.detach().to("cpu").clone() for p in t.module.parameters()]
             weight = float(max(1, t.samples_since_average))
             step = t.step
-        with self.averager.get_tensors() as shared:
-            for s, x in zip(shared, snapshot):
-                s.copy_(x)
+        try:
+            with self._shared_tensors() as shared:
+                for s, x in zip(shared, snapshot):
+                    s.copy_(x)
+        except TimeoutError as e:
+            return self._failed(str(e))
         stamp = {"round": self.round_no, "step": step, "peer": self.peer_id,
                  "config_hash": t.cfg.config_hash, "n_tensors": len(snapshot),
                  "weight": weight, "sketch": weight_sketch(snapshot)}
@@ -264,7 +274,7 @@ class BlockAverager:
             self.averager.bt_set_refused(self.bans.banned())
             control = self.averager.step(gather=stamp, weight=weight, timeout=self.round_timeout,
                                          allow_retries=False, wait=False)
-            deadline = time.monotonic() + self.round_timeout + 30
+            deadline = time.monotonic() + self.round_timeout + self.allreduce_timeout + 5
             while not control.done():
                 if self.cancel_event.is_set() or time.monotonic() > deadline:
                     control.cancel()
@@ -283,8 +293,8 @@ class BlockAverager:
                 self.stats.history.append((time.time(), 0, False, verdict.reason))
                 del self.stats.history[:-100]
                 return verdict
-            self.stats.failed += 1
-            return None
+            return self._failed(f"{type(error).__name__}: {error}" if error is not None else
+                                "no group formed (no same-block peer joined the round)")
         gathered = {str(k): v for k, v in gathered.items()}
         others = [p for p in gathered if p != self.peer_id]
         verdict = check_group(gathered, self_peer=self.peer_id, config_hash=t.cfg.config_hash,
@@ -292,8 +302,11 @@ class BlockAverager:
         if verdict is not None:
             self.bans.strike(verdict.offenders, verdict.reason, attributable=True)
         else:
-            with self.averager.get_tensors() as shared:
-                averaged = [s.detach().clone() for s in shared]
+            try:
+                with self._shared_tensors() as shared:
+                    averaged = [s.detach().clone() for s in shared]
+            except TimeoutError as e:
+                return self._failed(str(e))
             verdict = judge(snapshot, averaged, self.policy, self._check_loss)
             if verdict.accepted:
                 self.bans.forgive(others)
@@ -317,6 +330,23 @@ class BlockAverager:
         self._note_completeness(gathered, stamp, averaged)
         self.stats.last_accepted_time = time.time()
         return verdict
+
+    def _failed(self, why: str) -> None:
+        self.stats.failed += 1
+        self.stats.last_failure = why[:300]
+        return None
+
+    @contextlib.contextmanager
+    def _shared_tensors(self, timeout: float | None = None):
+        """The averager's tensors, like hivemind's ``get_tensors()`` but waiting a bounded time for its
+        lock (held by the averager process during an all-reduce)."""
+        lock = self.averager.lock_averaged_tensors
+        if not lock.acquire(timeout=self.allreduce_timeout + 5 if timeout is None else timeout):
+            raise TimeoutError("the averager is still busy with an earlier all-reduce")
+        try:
+            yield self.averager._averaged_tensors
+        finally:
+            lock.release()
 
     def _note_completeness(self, gathered: dict, stamp: dict, averaged) -> None:
         """Diagnostics only: did the all-reduce average every part? (members' claims are not trusted

@@ -32,6 +32,7 @@ class NodeProc:
     http_port: int
     proc: subprocess.Popen | None = None
     info: dict = field(default_factory=dict)
+    threads: int = 1
 
     @property
     def ready_file(self) -> Path:
@@ -57,8 +58,15 @@ class NodeProc:
             [sys.executable, "-m", "blocktrain.cli.main", *self.args, "--ready-file", str(self.ready_file),
              "--quiet", "--http-port", str(self.http_port), "--checkpoint-dir", str(self.workdir / "ckpt")],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+            env={**self.thread_env(), **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         log.close()
+
+    def thread_env(self) -> dict:
+        """Several nodes share this machine: one torch/OpenMP thread each (``threads``), since
+        more threads than cores only make them spin against each other. An OMP_NUM_THREADS /
+        MKL_NUM_THREADS already in the environment wins."""
+        n = str(self.threads)
+        return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
 
     def wait_ready(self, timeout: float = 120.0) -> dict:
         t0 = time.monotonic()

@@ -1,12 +1,16 @@
 """Local training and evaluation without a network: all B blocks (interleaved) and references.
 
-Equal compute: one *round* is one optimizer step of every block and one step of the
-full-depth reference at the same batch (B block-steps cost about one reference step). The
-one-block-size reference, when asked for, gets ``n_blocks`` steps per round so that it too
-spends the same training FLOPs as the whole chain.
+One *round* is one optimizer step of every block. By default the full-depth reference takes one
+step per round (B block-steps cost about one reference step) and the one-block-size reference,
+when asked for, ``n_blocks`` steps. With ``match_flops`` (``bench quality``) both references
+instead take as many steps as the chain's analytic training FLOPs buy them (a fractional credit
+carried from round to round), which matters for objectives whose block step costs more than a
+plain forward+backward (chunked-masked's longer training window, forward-chained's upstream
+forwards).
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,9 +46,11 @@ class _Trainee:
     opt: torch.optim.Optimizer
     sampler: WindowSampler
     loss_fn: Callable[[torch.Tensor], Callable]
-    steps_per_round: int = 1
+    steps_per_round: float = 1
     steps: int = 0
     last: dict = field(default_factory=dict)
+    step_flops: float = 0.0     # analytic training FLOPs of one step
+    credit: float = 0.0         # fractional steps carried over (match_flops)
 
 
 @dataclass
@@ -55,6 +61,8 @@ class LocalRun:
     seed: int = 0
     reference: bool = True
     small_reference: bool = False
+    match_flops: bool = False
+    upstream_every: int = 1     # forward-chained: refresh block b's snapshots of blocks < b every N rounds
 
     def __post_init__(self) -> None:
         torch.manual_seed(self.cfg.init_seed)
@@ -66,8 +74,11 @@ class LocalRun:
             self.trainees.append(_Trainee(
                 f"block{b}", m, make_optimizer(m, self.cfg),
                 WindowSampler(self.split.train, self.cfg.seq_len, seed=self.seed, worker_id=b),
-                lambda w, m=m, b=b, gen=gen: (lambda: self.objective.local_loss(m, b, w, gen)),
+                lambda w, m=m, b=b, gen=gen: (lambda: self.objective.local_loss(m, b, w, gen,
+                                                                                  upstream=self._upstream(b))),
             ))
+        self._snapshots: list[torch.nn.Module] | None = None
+        self._snap_round = -1
         self.ref = self.small_ref = None
         if self.reference:
             self.ref = ReferenceLM(self.cfg).to(self.device)
@@ -78,6 +89,32 @@ class LocalRun:
                                 steps_per_round=self.cfg.n_blocks)
         self.rounds = 0
         self.seconds = 0.0
+        self._set_step_flops()
+
+    def _set_step_flops(self) -> None:
+        b, t = self.cfg.batch_size, self.cfg.seq_len
+        t_block = self.objective.train_tokens_per_window   # a block may see more positions per window
+        fwd = [train_flops_per_step(m, b, t) / 3.0 for m in self.blocks]   # forward only: 2 N T of 6 N T
+        for i, tr in enumerate(self.trainees[:len(self.blocks)]):
+            tr.step_flops = (train_flops_per_step(tr.module, b, t_block)
+                             + sum(fwd[:self.objective.upstream_blocks(i)]))
+        chain = sum(tr.step_flops for tr in self.trainees[:len(self.blocks)])
+        for tr in self.trainees[len(self.blocks):]:
+            tr.step_flops = train_flops_per_step(tr.module, b, t)
+            if self.match_flops:
+                tr.steps_per_round = chain / tr.step_flops
+
+    def _upstream(self, b: int) -> list[torch.nn.Module] | None:
+        """Blocks 0..b-1 as block b sees them: live (``upstream_every`` 1) or snapshots refreshed
+        every ``upstream_every`` rounds (the staleness of a networked worker)."""
+        if not self.objective.needs_upstream:
+            return None
+        if self.upstream_every <= 1:
+            return self.blocks[:b]
+        if self._snapshots is None or self.rounds % self.upstream_every == 0 and self._snap_round != self.rounds:
+            self._snapshots = [copy.deepcopy(m).requires_grad_(False) for m in self.blocks[:-1]]
+            self._snap_round = self.rounds
+        return self._snapshots[:b]
 
     def _add_reference(self, name: str, model: torch.nn.Module, worker_id: int, steps_per_round: int):
         self.trainees.append(_Trainee(
@@ -88,7 +125,10 @@ class LocalRun:
 
     def round(self) -> None:
         for tr in self.trainees:
-            for _ in range(tr.steps_per_round):
+            tr.credit += tr.steps_per_round
+            n = int(tr.credit + 1e-9)
+            tr.credit -= n
+            for _ in range(n):
                 w = tr.sampler.next_batch(self.cfg.batch_size).to(self.device)
                 tr.last = optimizer_step(tr.module, tr.opt, self.cfg, tr.steps, tr.loss_fn(w))
                 tr.steps += 1
@@ -103,10 +143,7 @@ class LocalRun:
         self.seconds += time.perf_counter() - t0
 
     def flops(self) -> dict[str, float]:
-        b, t = self.cfg.batch_size, self.cfg.seq_len
-        t_block = self.objective.train_tokens_per_window   # a block may see more positions per window
-        out = {tr.name: train_flops_per_step(tr.module, b, t_block if tr.name.startswith("block") else t) * tr.steps
-               for tr in self.trainees}
+        out = {tr.name: tr.step_flops * tr.steps for tr in self.trainees}
         out["chain"] = sum(v for k, v in out.items() if k.startswith("block"))
         return out
 

@@ -91,6 +91,7 @@ class Node:
         self._threads: list[threading.Thread] = []
         self._avg_wakeup = threading.Event()
         self.errors: list[str] = []
+        self.upstream_stats = {"refreshes": 0, "failures": 0, "bytes": 0, "seconds": 0.0}
         self.auth = RunAuth()
         # test-only fault injection (RELIABILITY.md): BT_FAULT_INJECT=nan_hops|inf_hops|shape_hops
         # makes this node answer every hop with a poisoned state, to prove callers fail over
@@ -128,6 +129,8 @@ class Node:
                                       compression=o.averaging_compression,
                                       authorize=self.auth.authorize if self.auth.restricted else None,
                                       prefix=self.auth.averaging_prefix(self.run_id, self.block_index))
+        if self.trainer.upstream:
+            self._refresh_upstream()   # before the late join: judging a download needs blocks < b
         self._late_join()
         self.state = "online"
         self.discovery.start_announcing(self.announcement)
@@ -135,6 +138,8 @@ class Node:
             self._start_http()
         self._spawn("train", self._train_loop)
         self._spawn("average", self._average_loop)
+        if self.trainer.upstream:
+            self._spawn("upstream", self._upstream_loop)
         if o.eval_every:
             self._spawn("eval", self._eval_loop)
         return self
@@ -198,9 +203,40 @@ class Node:
                              get_objective(cfg).state_dim(), local_hops={b: self.trainer.hop},
                              self_peer=self.peer_id, bans=self.bans)
 
+    def _refresh_upstream(self) -> bool:
+        """forward-chained: fetch the current state of every block < ours from its most-trained live
+        holder (our own RPC) into read-only snapshots. True if every snapshot is now present."""
+        holders = self.discovery.list_holders(self.run_id)
+        t0 = time.perf_counter()
+        for j in range(len(self.trainer.upstream)):
+            cands = sorted((a for a in holders.get(j, []) if a.is_live and a.peer_id != self.peer_id),
+                           key=lambda a: -a.step)
+            for a in cands:
+                try:
+                    meta, tensors = self.client.get_block_state_sync(a.peer_id, j, timeout=30)
+                    self.trainer.set_upstream(j, tensors, {"peer": a.peer_id, "step": int(meta.get("step", 0))})
+                except Exception as e:  # a holder that left or sent junk: try the next one
+                    self.upstream_stats["failures"] += 1
+                    self.errors.append(f"upstream block {j} from {a.peer_id}: {type(e).__name__}: {e}")
+                    del self.errors[:-50]
+                    continue
+                self.upstream_stats["bytes"] += sum(v.numel() * v.element_size() for v in tensors.values())
+                break
+        self.upstream_stats["refreshes"] += 1
+        self.upstream_stats["seconds"] += time.perf_counter() - t0
+        return self.trainer.upstream_ready()
+
+    def _upstream_loop(self) -> None:
+        """Refresh the snapshots every ``upstream_refresh`` s (every 2 s while one is still missing)."""
+        while not self.stop_event.wait(self.opts.upstream_refresh if self.trainer.upstream_ready() else 2.0):
+            self._refresh_upstream()
+
     def _late_join(self) -> None:
         """Download the block's current state from a live holder before training (unless resumed)."""
         if self.resumed:
+            return
+        if not self.trainer.upstream_ready():
+            self.errors.append("late join skipped: no snapshot of the upstream blocks yet to judge a download by")
             return
         others = [a for a in self.discovery.list_holders(self.run_id).get(self.block_index, [])
                   if a.peer_id != self.peer_id and a.is_live]
@@ -277,7 +313,7 @@ class Node:
     def _train_loop(self) -> None:
         o, t = self.opts, self.trainer
         while not self.stop_event.is_set():
-            if not o.train or (o.max_steps is not None and t.step >= o.max_steps):
+            if not o.train or (o.max_steps is not None and t.step >= o.max_steps) or not t.upstream_ready():
                 self.stop_event.wait(0.5)
                 continue
             t.train_step()

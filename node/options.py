@@ -36,6 +36,7 @@ class NodeOptions:
     run_secret_file: Path | None = None            # private run: secret folded into the averaging prefix
     averaging_compression: str = "fp32"        # fp32 | fp16 | 8bit: what the all-reduce sends
     inject_delay_ms: float = 0.0               # benchmark/testing knob: one-way delay per hop RPC
+    upstream_refresh: float = 30.0             # forward-chained: seconds between snapshot refreshes of blocks < b
 
     def __post_init__(self) -> None:
         self.checkpoint_dir = Path(self.checkpoint_dir)
@@ -61,5 +62,7 @@ class NodeOptions:
             raise ValueError("--average-every and --checkpoint-every must be >= 1")
         if self.averaging_compression not in ("fp32", "fp16", "8bit"):
             raise ValueError(f"--averaging-compression must be fp32, fp16 or 8bit, got {self.averaging_compression!r}")
+        if not 1.0 <= self.upstream_refresh <= 86_400.0:
+            raise ValueError(f"--upstream-refresh must be in [1, 86400] seconds, got {self.upstream_refresh}")
         if not 0.0 <= self.inject_delay_ms <= 10_000.0:
             raise ValueError(f"--inject-delay-ms must be in [0, 10000], got {self.inject_delay_ms}")

@@ -43,7 +43,7 @@ class NodeBackend:
     def average_now(self) -> dict:
         v = self.node.averager.round()
         if v is None:
-            return {"accepted": None, "reason": "no group formed (no same-block peer joined the round)"}
+            return {"accepted": None, "reason": self.node.averager.stats.last_failure}
         return {"accepted": v.accepted, "reason": v.reason, "relative_change": v.relative_change}
 
     # -- status ---------------------------------------------------------------------------------
@@ -67,7 +67,8 @@ class NodeBackend:
             "self": {"peer_id": node.peer_id, "block": node.block_index, "state": node.state, "step": t.step,
                      "samples_seen": t.samples_seen, "throughput": t.throughput(), "loss": t.recent_loss(),
                      "maddrs": node.discovery.visible_maddrs(), "uptime_s": time.time() - node.started_at,
-                     "resumed": node.resumed, "downloaded_state": node.downloaded is not None},
+                     "resumed": node.resumed, "downloaded_state": node.downloaded is not None,
+                     "upstream": self._upstream(t)},
             "blocks": blocks,
             "losses": [[round(ts, 3), st, round(l, 5)] for ts, st, l in list(t.losses)[-200:]],
             "averaging": {"attempted": s.attempted, "succeeded": s.succeeded, "rejected": s.rejected,
@@ -79,6 +80,17 @@ class NodeBackend:
             "chain_ce": [[round(ts, 3), ce] for ts, ce in node.chain_ce_history[-100:]],
             "errors": node.errors[-10:],
         }
+
+    def _upstream(self, t) -> dict | None:
+        """forward-chained: the snapshots of blocks < ours this worker trains on, and their cost."""
+        if not t.objective.needs_upstream:
+            return None
+        now = time.time()
+        snaps = [None if m is None else {"block": j, "peer": m.get("peer"), "step": m.get("step"),
+                                         "age_s": round(now - m["fetched_at"], 1)}
+                 for j, m in enumerate(t.upstream_meta)]
+        return {"ready": t.upstream_ready(), "snapshots": snaps, "refresh_s": self.node.opts.upstream_refresh,
+                **self.node.upstream_stats}
 
     def metrics(self) -> dict[str, float]:
         node = self.node

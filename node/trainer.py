@@ -2,6 +2,10 @@
 
 The trainer is shared by three threads (training loop, hop serving, averaging), so every read or
 write of the weights goes through ``self.lock``.
+
+Objectives that ``needs_upstream`` (forward-chained) train block b on the outputs of blocks < b:
+the trainer then also keeps read-only snapshots of those blocks (``set_upstream``), which the node
+refreshes from their holders; it cannot train or judge a round until it has all of them.
 """
 from __future__ import annotations
 
@@ -18,6 +22,10 @@ from ..blocks.config import ModelConfig
 from ..blocks.data import WindowSampler, eval_windows
 from ..blocks.objectives import get_objective
 from ..blocks.train import make_optimizer, optimizer_step
+
+
+class UpstreamNotReady(RuntimeError):
+    """Block b's objective needs snapshots of blocks < b that this worker has not fetched yet."""
 
 
 class BlockTrainer:
@@ -40,13 +48,45 @@ class BlockTrainer:
         self.samples_since_average = 0
         self.losses: deque[tuple[float, int, float]] = deque(maxlen=500)   # (time, step, loss)
         self._rate: deque[tuple[float, int]] = deque(maxlen=50)
+        n_up = block_index if self.objective.needs_upstream else 0
+        self.upstream: list[torch.nn.Module | None] = [None] * n_up
+        self.upstream_meta: list[dict | None] = [None] * n_up
+
+    # -- upstream snapshots (forward-chained) ---------------------------------------------------
+    def upstream_ready(self) -> bool:
+        return all(m is not None for m in self.upstream)
+
+    def set_upstream(self, j: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Install a read-only snapshot of block j < this block; refuses wrong or non-finite state
+        (and then keeps the previous snapshot)."""
+        if not 0 <= j < len(self.upstream):
+            raise ValueError(f"block {self.block_index} keeps no snapshot of block {j}")
+        if not all(bool(torch.isfinite(v).all()) for v in tensors.values()):
+            raise ValueError(f"the offered state of block {j} is not finite")
+        m = self.objective.build_block(j)
+        m.load_state_dict(tensors)   # refuses missing, unexpected or misshapen tensors
+        m = m.to(self.device).requires_grad_(False).eval()
+        with self.lock:
+            self.upstream[j] = m
+            self.upstream_meta[j] = {**meta, "fetched_at": time.time()}
+
+    def _upstream_arg(self) -> list[torch.nn.Module] | None:
+        if not self.objective.needs_upstream:
+            return None
+        if not self.upstream_ready():
+            missing = [j for j, m in enumerate(self.upstream) if m is None]
+            raise UpstreamNotReady(f"block {self.block_index} has no snapshot yet of upstream block(s) "
+                                   f"{', '.join(map(str, missing))}")
+        return list(self.upstream)
 
     # -- training -------------------------------------------------------------------------------
     def train_step(self) -> dict:
+        up = self._upstream_arg()   # before drawing a batch: a worker waiting for upstream skips none
         w = self.sampler.next_batch(self.cfg.batch_size).to(self.device)
         with self.lock:
             stats = optimizer_step(self.module, self.opt, self.cfg, self.step,
-                                   lambda: self.objective.local_loss(self.module, self.block_index, w, self.gen))
+                                   lambda: self.objective.local_loss(self.module, self.block_index, w, self.gen,
+                                                                     upstream=up))
             self.step += 1
             self.samples_seen += w.shape[0]
             self.samples_since_average += w.shape[0]
@@ -72,10 +112,11 @@ class BlockTrainer:
     def check_loss(self, module: torch.nn.Module | None = None) -> float:
         """Local loss on a few fixed held-out windows with fixed noise: the averaging sanity check."""
         m = module if module is not None else self.module
+        up = self._upstream_arg()
         was = m.training
         m.eval()
         g = torch.Generator().manual_seed(12345)
-        loss, _ = self.objective.local_loss(m, self.block_index, self.check_windows, g)
+        loss, _ = self.objective.local_loss(m, self.block_index, self.check_windows, g, upstream=up)
         m.train(was)
         return float(loss)
 

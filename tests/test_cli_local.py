@@ -97,16 +97,21 @@ def test_bad_input_gives_one_clear_line_and_nonzero_exit(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_quality_json_has_equal_flops_fields():
+@pytest.mark.parametrize("objective", ["paper", "forward-chained"])
+def test_bench_quality_json_has_equal_flops_fields(objective):
     data = need_wikitext()
     r = bt("bench", "quality", "--data", str(data), "--budget", "3steps", "--json", "--eval-windows", "4",
-           "--k", "2", *TINY)
+           "--k", "2", *TINY, "--objective", objective)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     for key in ("objective", "chain_ce", "ce_kind", "reference_ce", "single_block_reference_ce",
                 "flops_each", "protocol"):
         assert key in res, key
-    f = res["flops_each"]
-    # equal training compute within 25% (the block's own embeddings/noise MLP are extra)
-    assert f["reference"] == pytest.approx(f["chain"], rel=0.25)
-    assert f["single_block_reference"] == pytest.approx(f["chain"], rel=0.25)
+    assert res["objective"] == objective
+    f, steps = res["flops_each"], res["steps_each"]
+    assert steps["block0"] == 3
+    # each reference took as many steps as the chain's training FLOPs buy it: within one step
+    for name, key in (("reference", "reference"), ("reference_1block", "single_block_reference")):
+        per_step = f[key] / steps[name]
+        assert abs(f[key] - f["chain"]) <= per_step * 1.0001, (name, f, steps)
+    assert steps["reference_1block"] > steps["reference"]

@@ -39,10 +39,12 @@ def test_plan_blocks_covers_every_block_then_replicates():
 
 @pytest.mark.network
 @pytest.mark.slow
-@pytest.mark.parametrize("objective,ce_kind", [("paper", "exact"), ("chunked-masked", "bound")])
+@pytest.mark.parametrize("objective,ce_kind", [("paper", "exact"), ("chunked-masked", "bound"),
+                                              ("forward-chained", "exact")])
 def test_swarm_command_json_contract(tmp_path, objective, ce_kind):
     """The whole network path (training, averaging, chain scoring through hops, generation) for
-    every objective: chunked-masked passes a different state (N, T, 2) between hops."""
+    every objective: chunked-masked passes a different state (N, T, 2) between hops, forward-chained
+    a hidden state (N, T, d_model), and its block-1 workers train on snapshots of block 0."""
     data = need_wikitext()
     r = bt("swarm", "--nodes", "3", "--budget", "15s", "--data", str(data), "--set", "n_blocks=2",
            "--set", f"objective={objective}", "--set", "chunk_len=4",

@@ -64,6 +64,13 @@ def _check_checkpoint(node) -> dict:
     return {"step": c.step, "tmp_leftovers": len(leftovers)}
 
 
+def _assert_accepted(v: dict, nodes) -> None:
+    """Every node accepted the round; otherwise fail with their verdicts and their logs' tails."""
+    if not all(x.get("accepted") for x in v.values()):
+        logs = "\n".join(f"--- {n.name}\n{n.tail(15)}" for n in nodes)
+        raise AssertionError(f"{v}\n{logs}")
+
+
 def _survivors_finite(client, nodes) -> bool:
     return all(all_finite(block_state(client, n.info["peer_id"], 0)) for n in nodes)
 
@@ -93,7 +100,7 @@ def test_kill_before_during_and_after_rounds(churn):
     kill9(v2)
     cp = cp_v2 = _check_checkpoint(v2)
     v = average_until_accepted([c0, c1, v1])
-    assert all(x.get("accepted") for x in v.values()), v
+    _assert_accepted(v, [c0, c1, v1])
     assert _survivors_finite(client, [c0, c1, v1])
     events.append({"when": "before", "victim": "v2", "checkpoint": cp, "next_round": "accepted"})
     # 2. during a round: v1 dies ~1 s after matchmaking ends (3 s window)
@@ -101,7 +108,7 @@ def test_kill_before_during_and_after_rounds(churn):
     cp = _check_checkpoint(v1)
     assert _survivors_finite(client, survivors)
     v = average_until_accepted(survivors)
-    assert all(x.get("accepted") for x in v.values()), v
+    _assert_accepted(v, survivors)
     events.append({"when": "during", "victim": "v1", "checkpoint": cp,
                    "round_with_kill": {k: x.get("accepted", x.get("error")) for k, x in during.items()},
                    "next_round": "accepted"})
@@ -111,11 +118,11 @@ def test_kill_before_during_and_after_rounds(churn):
     assert info["peer_id"] == peer_before and info["resumed"] is True, info
     assert v2.get("/v1/status")["self"]["step"] >= cp_v2["step"]    # resumed, not restarted from zero
     v = average_until_accepted([c0, c1, v2])
-    assert all(x.get("accepted") for x in v.values()), v
+    _assert_accepted(v, [c0, c1, v2])
     kill9(v2)
     cp = _check_checkpoint(v2)
     v = average_until_accepted(survivors)
-    assert all(x.get("accepted") for x in v.values()), v
+    _assert_accepted(v, survivors)
     assert _survivors_finite(client, survivors)
     events.append({"when": "after", "victim": "v2", "checkpoint": cp, "restart_resumed": True,
                    "rejoined_round": "accepted", "next_round": "accepted"})

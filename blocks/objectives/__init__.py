@@ -4,11 +4,13 @@ from __future__ import annotations
 from ..config import ConfigError, ModelConfig
 from .base import Objective, ScoreResult
 from .chunked_masked import ChunkedMaskedObjective
+from .forward_chained import ForwardChainedObjective
 from .paper import PaperObjective
 
 OBJECTIVES: dict[str, type[Objective]] = {
     PaperObjective.name: PaperObjective,
     ChunkedMaskedObjective.name: ChunkedMaskedObjective,
+    ForwardChainedObjective.name: ForwardChainedObjective,
 }
 
 DEFAULT_OBJECTIVE = "paper"

@@ -31,6 +31,7 @@ class ScoreResult:
 class Objective(ABC):
     name: str = ""
     ce_kind: str = "exact"
+    needs_upstream: bool = False   # does block b train on the outputs of blocks < b (read-only)?
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -41,8 +42,10 @@ class Objective(ABC):
 
     @abstractmethod
     def local_loss(self, block: nn.Module, b: int, windows: torch.Tensor,
-                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
-        """Block b's loss on windows (N, seq_len+1) of bytes; returns (loss, float stats)."""
+                   generator: torch.Generator | None = None,
+                   upstream: Sequence[nn.Module] | None = None) -> tuple[torch.Tensor, dict]:
+        """Block b's loss on windows (N, seq_len+1) of bytes; returns (loss, float stats).
+        ``upstream``: read-only snapshots of blocks 0..b-1, for objectives that ``needs_upstream``."""
 
     @abstractmethod
     def make_hop(self, block: nn.Module, b: int) -> Hop:
@@ -75,6 +78,10 @@ class Objective(ABC):
     def train_tokens_per_window(self) -> int:
         """Positions one training window occupies in a block's forward (for FLOP counts)."""
         return self.cfg.seq_len
+
+    def upstream_blocks(self, b: int) -> int:
+        """How many other blocks' forwards one training step of block b runs (for FLOP counts)."""
+        return 0
 
     def state_dim(self) -> int:
         """Size of the last axis of the state passed between hops."""

@@ -209,7 +209,7 @@ class ChunkedMaskedObjective(Objective):
         """k_c / T: the share of a window's bytes in each chunk."""
         return (chunk_lengths(t_len, self.k).double() / t_len).to(device, torch.float32)
 
-    def local_loss(self, block, b, windows, generator=None):
+    def local_loss(self, block, b, windows, generator=None, upstream=None):
         n, t_len = windows.shape[0], windows.shape[1] - 1
         mask, t = self.sample_training_mask(b, n, t_len, generator)
         mask = mask.to(windows.device)

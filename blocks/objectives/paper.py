@@ -81,7 +81,7 @@ class PaperObjective(Objective):
             raise IndexError(f"block index {b} out of range [0, {self.cfg.n_blocks})")
         return PaperBlock(self.cfg)
 
-    def local_loss(self, block, b, windows, generator=None):
+    def local_loss(self, block, b, windows, generator=None, upstream=None):
         dev = windows.device
         ctx, y = windows[:, :-1], windows[:, 1:]
         n = windows.shape[0]

@@ -1,0 +1,182 @@
+"""Candidate (c) of issue 8: ``forward-chained`` (greedy block-wise training of one deep stack).
+
+Block b continues the residual stream of blocks 0..b-1: it reads their output states (computed
+by read-only snapshots, under ``no_grad``: no gradient crosses blocks) and trains its own layers
+and its own next-byte head on the same target, next-byte cross entropy. Block 0 embeds the bytes.
+The chain is the stack: hop b maps the state h_{b-1} (N, T, d_model) to h_b, and the last block's
+head scores the next byte exactly (``ce_kind`` "exact"). The idea is classic greedy layer-wise
+training with local heads (Bengio et al. 2007; Belilovsky et al., "Greedy layerwise learning can
+scale to ImageNet", ICML 2019; Nøkland & Eidnes, "Training neural networks with local error
+signals", ICML 2019), applied here to blocks held by different workers.
+
+What it gives up: strict independence. Training block b needs the current weights of blocks < b
+(a worker keeps snapshots, refreshed from their holders), every step runs their forward (block b
+pays b extra forwards: ``upstream_blocks``), and block b trains on features that are as stale as
+its last refresh. The chain is autoregressive: one traversal of the stack emits one byte.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..chain import Hop, HopRequest, HopResult
+from ..config import ModelConfig
+from ..layers import TransformerLayer, init_weights
+from .base import Objective, ScoreResult, sample_bytes
+from .common import autocast, prepare_prompt
+
+
+class ForwardChainedBlock(nn.Module):
+    """``layers_per_block`` pre-LN Transformer layers on the residual stream, plus a local head."""
+
+    def __init__(self, cfg: ModelConfig, b: int):
+        super().__init__()
+        d = cfg.d_model
+        self.first = b == 0
+        if self.first:
+            self.byte_emb = nn.Embedding(cfg.vocab_size, d)
+            self.pos_emb = nn.Embedding(cfg.seq_len, d)
+        self.layers = nn.ModuleList(
+            TransformerLayer(d, cfg.n_heads, cfg.mlp_ratio, cfg.dropout) for _ in range(cfg.layers_per_block))
+        self.norm_out = nn.LayerNorm(d)
+        self.head = nn.Linear(d, cfg.vocab_size)
+        init_weights(self)
+
+    def stream(self, h: torch.Tensor | None, context: torch.Tensor) -> torch.Tensor:
+        """The block's output state: h_b from h_{b-1} (block 0: from the bytes)."""
+        if self.first:
+            pos = torch.arange(context.shape[1], device=context.device)
+            h = self.byte_emb(context) + self.pos_emb(pos)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm_out(h))
+
+    def forward(self, h: torch.Tensor | None, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.stream(h, context)
+        return h, self.logits(h)
+
+
+class ForwardChainedHop:
+    def __init__(self, block: ForwardChainedBlock):
+        self.block = block
+
+    @torch.no_grad()
+    def __call__(self, req: HopRequest) -> HopResult:
+        dev = next(self.block.parameters()).device
+        ctx = req.context.to(dev)
+        h_in = None if self.block.first else req.state.to(dev, torch.float32)
+        with autocast(dev):
+            h = self.block.stream(h_in, ctx)
+            logits = self.block.logits(h) if req.want_logits else None
+        out = req.state.device
+        return HopResult(h.float().to(out), logits.float().to(out) if logits is not None else None)
+
+
+class ForwardChainedObjective(Objective):
+    name = "forward-chained"
+    ce_kind = "exact"
+    needs_upstream = True
+
+    def build_block(self, b: int) -> nn.Module:
+        if not 0 <= b < self.cfg.n_blocks:
+            raise IndexError(f"block index {b} out of range [0, {self.cfg.n_blocks})")
+        return ForwardChainedBlock(self.cfg, b)
+
+    def state_dim(self) -> int:
+        return self.cfg.d_model
+
+    def upstream_blocks(self, b: int) -> int:
+        return b
+
+    @torch.no_grad()
+    def upstream_state(self, upstream: Sequence[nn.Module], context: torch.Tensor) -> torch.Tensor | None:
+        """h_{b-1}: the snapshots of blocks 0..b-1 run in order on ``context`` (None for block 0)."""
+        h = None
+        for m in upstream:
+            was = m.training
+            m.eval()
+            with autocast(context.device):
+                h = m.stream(h, context)
+            m.train(was)
+        return None if h is None else h.float()
+
+    def _check_upstream(self, b: int, upstream) -> Sequence[nn.Module]:
+        upstream = list(upstream or [])
+        if len(upstream) != b:
+            raise ValueError(f"forward-chained block {b} trains on the outputs of blocks 0..{b - 1}: "
+                             f"it needs {b} upstream snapshot(s), got {len(upstream)}")
+        return upstream
+
+    def local_loss(self, block, b, windows, generator=None, upstream=None):
+        ctx, y = windows[:, :-1], windows[:, 1:]
+        h = self.upstream_state(self._check_upstream(b, upstream), ctx)
+        with autocast(windows.device):
+            _, logits = block(h, ctx)
+        ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        return ce, {"ce": float(ce.detach())}
+
+    def make_hop(self, block, b) -> Hop:
+        return ForwardChainedHop(block)
+
+    def _run(self, hops, ctx: torch.Tensor, logits_from: str = "last") -> list[torch.Tensor]:
+        """One traversal; the logits of every hop when ``logits_from`` is "all"."""
+        n, t = ctx.shape
+        state = torch.zeros(n, t, self.state_dim(), device=ctx.device)
+        sigma = torch.zeros(n, device=ctx.device)   # unused: the state is not a noisy target
+        out = []
+        for b, hop in enumerate(hops):
+            want = logits_from == "all" or b == len(hops) - 1
+            res = hop(HopRequest(state, ctx, sigma, sigma, want_logits=want))
+            if want and res.logits is None:
+                raise RuntimeError(f"hop {b} returned no logits although they were requested")
+            state = res.state
+            if want:
+                out.append(res.logits)
+        return out
+
+    @torch.no_grad()
+    def score(self, hops, windows, k=4, generator=None) -> ScoreResult:
+        """Exact held-out CE of the stack (deterministic: K plays no role). ``extra.prefix_ce[b]`` is
+        the CE of blocks 0..b read through block b's own head: what each added block buys."""
+        ctx, y = windows[:, :-1], windows[:, 1:]
+        all_logits = self._run(hops, ctx, logits_from="all")
+        prefix = [float(F.cross_entropy(lg.float().reshape(-1, lg.shape[-1]), y.reshape(-1))) for lg in all_logits]
+        n, t = ctx.shape
+        return ScoreResult(ce=prefix[-1], ce_k1=prefix[-1], k=k, tokens=n * t, ce_kind=self.ce_kind,
+                           extra={"prefix_ce": prefix})
+
+    @torch.no_grad()
+    def block_alone_ce(self, block, b, windows, generator=None) -> float:
+        """Block b with an uninformative input: block 0 is a complete small LM; a later block gets a
+        zero state, so it only has its head's bias and layers to go on."""
+        ctx, y = windows[:, :-1], windows[:, 1:]
+        dev = next(block.parameters()).device
+        ctx, y = ctx.to(dev), y.to(dev)
+        h = None if b == 0 else torch.zeros(*ctx.shape, self.cfg.d_model, device=dev)
+        with autocast(dev):
+            _, logits = block(h, ctx)
+        return float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)))
+
+    @torch.no_grad()
+    def generate_one_sweep(self, hops, prompt, n_bytes, *, temperature=0.0, generator=None) -> bytes:
+        """The stack is autoregressive: one traversal emits one byte (a "chunk" of length 1), so this is
+        the same as ``generate_autoregressive``."""
+        return self.generate_autoregressive(hops, prompt, n_bytes, temperature=temperature, generator=generator)
+
+    @torch.no_grad()
+    def generate_autoregressive(self, hops, prompt, n_bytes, *, temperature=0.0, generator=None) -> bytes:
+        seq = list(prepare_prompt(prompt, n_bytes, self.cfg.seq_len, one_sweep=False))
+        out: list[int] = []
+        for _ in range(n_bytes):
+            ctx = torch.tensor(seq[-self.cfg.seq_len:], dtype=torch.long).unsqueeze(0)
+            logits = self._run(hops, ctx)[-1]
+            nxt = int(sample_bytes(logits[:, -1], temperature, generator)[0])
+            seq.append(nxt)
+            out.append(nxt)
+        return bytes(out)
