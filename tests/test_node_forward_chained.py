@@ -1,6 +1,7 @@
 """forward-chained in the node: block b's worker keeps read-only snapshots of blocks < b, refreshed
 from their holders over the network, and trains on them; without them it neither trains nor
-averages. The first tests drive a BlockTrainer directly; the last starts real node processes."""
+averages. These tests drive a BlockTrainer directly; test_node_objectives.py runs the objective
+on real node processes."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,11 +9,9 @@ import pytest
 import torch
 
 from blocktrain.node.averaging import BlockAverager
-from blocktrain.node.launcher import LocalSwarm
 from blocktrain.node.trainer import BlockTrainer, UpstreamNotReady
 
-from helpers import need_wikitext, tiny_config
-from reliability_helpers import wait_for
+from helpers import tiny_config
 
 DATA = np.frombuffer(b"the cat sat on the mat; the dog sat on the log. " * 60, dtype=np.uint8)
 
@@ -64,37 +63,3 @@ def test_averaging_round_is_skipped_while_snapshots_are_missing():
             avg.shutdown()
     finally:
         disc.shutdown(withdraw=False)
-
-
-@pytest.mark.network
-@pytest.mark.slow
-def test_block1_worker_trains_on_refreshed_snapshots_of_block0(tmp_path):
-    data = need_wikitext()
-    sw = LocalSwarm(tmp_path, run_id="fcnet", data=str(data),
-                    overrides=["objective=forward-chained", "n_blocks=2", "d_model=64", "n_heads=2",
-                               "layers_per_block=1", "seq_len=64", "batch_size=8"],
-                    extra_args=["--device", "cpu", "--average-every", "1000000", "--average-period", "1e9"])
-    try:
-        seed = sw.start_seed(block=0)
-        n1 = sw.start_join(block=1, args=["--upstream-refresh", "2"])
-        peer0 = seed.info["peer_id"]
-
-        def upstream():
-            return n1.get("/v1/status")["self"]["upstream"]
-
-        first = wait_for(lambda: (u := upstream())["ready"] and u, 60, "block 1's snapshot of block 0")
-        snap = first["snapshots"][0]
-        assert snap["block"] == 0 and snap["peer"] == peer0 and first["bytes"] > 0
-        # the snapshot follows block 0's training, and block 1 trains on it
-        later = wait_for(lambda: (u := upstream())["snapshots"][0]["step"] > snap["step"] + 5 and u, 60,
-                         "a refreshed snapshot")
-        assert later["refreshes"] > first["refreshes"] and later["bytes"] > first["bytes"]
-        wait_for(lambda: n1.get("/v1/status")["self"]["step"] >= 20, 60, "block 1 training")
-        up0 = seed.get("/v1/status")["self"]["upstream"]
-        assert up0["ready"] and up0["snapshots"] == [] and up0["bytes"] == 0   # block 0 keeps no snapshots
-        r = n1.post("/v1/generate", {"prompt": "The ", "max_bytes": 4, "mode": "one_sweep"}, timeout=120)
-        assert r.status_code == 200, r.text
-        g = r.json()
-        assert g["traversals"] == 4 and [h["block"] for h in g["route"]] == [0, 1]
-    finally:
-        sw.stop_all()
