@@ -334,14 +334,13 @@ class BlockAverager:
     def _failed(self, why: str) -> None:
         self.stats.failed += 1
         self.stats.last_failure = why[:300]
-        return None
 
     @contextlib.contextmanager
-    def _shared_tensors(self, timeout: float | None = None):
+    def _shared_tensors(self):
         """The averager's tensors, like hivemind's ``get_tensors()`` but waiting a bounded time for its
-        lock (held by the averager process during an all-reduce)."""
+        lock (held by the averager process during an all-reduce, itself bounded by allreduce_timeout)."""
         lock = self.averager.lock_averaged_tensors
-        if not lock.acquire(timeout=self.allreduce_timeout + 5 if timeout is None else timeout):
+        if not lock.acquire(timeout=self.allreduce_timeout + 5):
             raise TimeoutError("the averager is still busy with an earlier all-reduce")
         try:
             yield self.averager._averaged_tensors

@@ -1,0 +1,48 @@
+"""A round is bounded even when the averager's tensors stay locked: hivemind's all-reduce holds
+that lock while it runs, and without an all-reduce timeout a round with a member that stopped
+answering held it for good (a CI run saw every later ``/v1/average`` of a survivor hang). The node
+passes ``allreduce_timeout`` to hivemind and waits for the lock a bounded time only."""
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from blocktrain.node.averaging import BlockAverager
+from blocktrain.node.trainer import BlockTrainer
+
+from helpers import tiny_config
+
+pytestmark = [pytest.mark.reliability, pytest.mark.network]
+
+DATA = np.frombuffer(b"the cat sat on the mat; the dog sat on the log. " * 60, dtype=np.uint8)
+
+
+def test_a_round_gives_up_on_a_held_tensor_lock_in_bounded_time():
+    from blocktrain.p2p.discovery import Discovery
+
+    disc = Discovery.start(host_maddrs=["/ip4/127.0.0.1/tcp/0"], run_ids=["bounds"])
+    try:
+        avg = BlockAverager(disc.dht, BlockTrainer(tiny_config(), 0, DATA, DATA), "bounds",
+                            peer_id=disc.peer_id, matchmaking_time=1.0, allreduce_timeout=2.0)
+        try:
+            assert avg.averager._allreduce_timeout == 2.0    # hivemind itself ends a stuck all-reduce
+            lock = avg.averager.lock_averaged_tensors
+            assert lock.acquire(timeout=5)                   # as an all-reduce that never ends would
+            out: dict = {}
+            th = threading.Thread(target=lambda: out.update(v=avg.round()), daemon=True)
+            t0 = time.monotonic()
+            th.start()
+            th.join(30)
+            waited = time.monotonic() - t0
+            lock.release()
+            assert not th.is_alive(), "the round blocked on the averaged tensors' lock"
+            assert out["v"] is None and "busy with an earlier all-reduce" in avg.stats.last_failure
+            assert 6.5 <= waited < 15, waited            # the bound: allreduce_timeout + 5 s
+            assert avg.stats.failed == 1
+        finally:
+            avg.shutdown()
+    finally:
+        disc.shutdown(withdraw=False)
