@@ -105,7 +105,7 @@ def eval_cmd(checkpoint, data, eval_data, device, k, eval_windows, as_json):
 @click.option("--k", "k", type=int, default=4, show_default=True)
 @click.option("--eval-windows", type=int, default=64, show_default=True)
 @click.option("--upstream-every", type=click.IntRange(min=1), default=1, show_default=True,
-              help="forward-chained: block b refreshes its snapshots of blocks < b every N rounds "
+              help="forward-chained, forward-residual: block b refreshes its snapshots of blocks < b every N rounds "
                    "(1 = always current; larger = the staleness of a networked worker).")
 @click.option("--json", "as_json", is_flag=True)
 @friendly

@@ -50,7 +50,7 @@ def node_options(fn):
                      help="Benchmark/testing knob: wait this one-way delay when a hop request arrives and "
                           "again before its answer leaves (each hop's round trip gains 2x; see BENCHMARKS.md)."),
         click.option("--upstream-refresh", type=click.FloatRange(1, 86400), default=30.0, show_default=True,
-                     help="forward-chained runs only: seconds between re-downloads of the blocks before this "
+                     help="forward-chained and forward-residual runs only: seconds between re-downloads of the blocks before this "
                           "node's block, whose outputs it trains on."),
         click.option("--seed", "sample_seed", type=int, default=0, show_default=True),
         click.option("--ready-file", type=click.Path(dir_okay=False), default=None,

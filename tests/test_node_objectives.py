@@ -2,7 +2,8 @@
 ``bt-node swarm`` contract in test_node_cli.py): block 0 and two replicas of block 1 train, the
 replicas average (acceptance judges a round with the objective's own held-out check loss), the
 chain is scored and generates through hops between processes. chunked-masked passes an (N, T, 2)
-state between hops and emits one chunk per traversal; forward-chained passes a hidden state
+state between hops and emits one chunk per traversal, chunked-continuous an (N, T, target_dim) noisy
+chunk, also one chunk per traversal; forward-chained (and forward-residual) passes a hidden state
 (N, T, d_model), emits one byte per traversal, and its block-1 workers train on snapshots of block 0
 that they download from block 0's holder and refresh."""
 from __future__ import annotations
@@ -24,7 +25,9 @@ MANUAL_AVG = ["--average-every", "1000000", "--average-period", "1e9"]
 
 
 @pytest.mark.parametrize("objective,ce_kind,per_traversal", [("chunked-masked", "bound", 4),
-                                                            ("forward-chained", "exact", 1)])
+                                                            ("chunked-continuous", "bound", 4),
+                                                            ("forward-chained", "exact", 1),
+                                                            ("forward-residual", "exact", 1)])
 def test_objective_trains_averages_scores_and_generates_across_processes(tmp_path, objective, ce_kind,
                                                                        per_traversal):
     data = need_wikitext()
@@ -51,7 +54,7 @@ def test_objective_trains_averages_scores_and_generates_across_processes(tmp_pat
         assert g["bytes_generated"] == 8 and g["traversals"] == 8 // per_traversal, g
         assert [h["block"] for h in g["route"]] == [0, 1]
         up = r1.get("/v1/status")["self"]["upstream"]
-        if objective != "forward-chained":
+        if not objective.startswith("forward-"):
             assert up is None
             return
         # block 1 trains on block 0 as its holder has it, and follows it as it trains

@@ -3,14 +3,18 @@ from __future__ import annotations
 
 from ..config import ConfigError, ModelConfig
 from .base import Objective, ScoreResult
+from .chunked_continuous import ChunkedContinuousObjective
 from .chunked_masked import ChunkedMaskedObjective
 from .forward_chained import ForwardChainedObjective
+from .forward_residual import ForwardResidualObjective
 from .paper import PaperObjective
 
 OBJECTIVES: dict[str, type[Objective]] = {
     PaperObjective.name: PaperObjective,
     ChunkedMaskedObjective.name: ChunkedMaskedObjective,
     ForwardChainedObjective.name: ForwardChainedObjective,
+    ChunkedContinuousObjective.name: ChunkedContinuousObjective,
+    ForwardResidualObjective.name: ForwardResidualObjective,
 }
 
 DEFAULT_OBJECTIVE = "paper"
