@@ -19,12 +19,7 @@ from helpers import tiny_config
 LN256 = math.log(256)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cc_config(**kw):

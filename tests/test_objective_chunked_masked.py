@@ -20,14 +20,7 @@ from helpers import tiny_config
 LN256 = math.log(256)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: a second OpenMP thread only spins, and on a loaded 2-core machine that made
-    this file 40x slower. Restored after each test."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def cm_config(**kw):

@@ -19,12 +19,7 @@ from blocktrain.node.local_train import LocalRun
 from helpers import tiny_config
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def fc_config(**kw):

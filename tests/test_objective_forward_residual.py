@@ -15,12 +15,7 @@ from blocktrain.blocks.train import make_optimizer, optimizer_step
 from helpers import tiny_config
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def fr_config(**kw):

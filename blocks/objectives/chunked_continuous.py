@@ -63,7 +63,7 @@ from .base import Objective, ScoreResult
 from .chunked_masked import aligned_history, fit_history
 from .chunked_masked_net import chunk_ids, clean_len
 from .chunked_continuous_net import ChunkedContinuousBlock, log_uniform
-from .common import autocast
+from .common import autocast, stratified_uniform
 
 SCORE_MICROBATCH = 16
 DEFAULT_SIGMA_MAX, DEFAULT_SIGMA_MIN = 20.0, 0.02
@@ -173,8 +173,7 @@ class ChunkedContinuousObjective(Objective):
         lo, hi = self.sigma_range(b)
         c = math.ceil(t_len / self.k)
         m = n * c
-        u = (torch.rand(1, generator=generator, dtype=torch.float64) + torch.arange(m, dtype=torch.float64) / m) % 1.0
-        u = u[torch.randperm(m, generator=generator)].view(n, c)
+        u = stratified_uniform(m, generator).view(n, c)
         return log_uniform(lo, hi, u)[:, chunk_ids(t_len, self.k)]
 
     def segment_terms(self, block_or_logits, windows: torch.Tensor, sigma_pos: torch.Tensor,
@@ -234,9 +233,7 @@ class ChunkedContinuousObjective(Objective):
                 nb = w.shape[0]
                 for b, hop in enumerate(hops):
                     lo, hi = float(self.sigmas[b + 1]), float(self.sigmas[b])
-                    u = (torch.rand(1, generator=generator, dtype=torch.float64)
-                         + torch.arange(nb, dtype=torch.float64) / nb) % 1.0
-                    j = (u[torch.randperm(nb, generator=generator)] * self.steps).long()
+                    j = (stratified_uniform(nb, generator) * self.steps).long()
                     t = hi * (lo / hi) ** (j.double() / self.steps)
                     s = hi * (lo / hi) ** ((j + 1).double() / self.steps)
                     weight = (self.steps * 0.5 * (1 / s**2 - 1 / t**2)).float().to(dev).view(-1, 1)
@@ -266,9 +263,7 @@ class ChunkedContinuousObjective(Objective):
             for i in range(0, n, SCORE_MICROBATCH):
                 w = windows[i:i + SCORE_MICROBATCH]
                 nb = w.shape[0]
-                u = (torch.rand(1, generator=generator, dtype=torch.float64)
-                     + torch.arange(nb, dtype=torch.float64) / nb) % 1.0
-                t = log_uniform(lo, hi, u[torch.randperm(nb, generator=generator)])
+                t = log_uniform(lo, hi, stratified_uniform(nb, generator))
                 weight = (math.log(hi / lo) / t**2).float().to(dev).view(-1, 1)
                 eps = torch.randn(nb, t_len, self.cfg.target_dim, generator=generator).to(dev)
                 # a request with sigma_next = sigma takes one forward at exactly t

@@ -27,67 +27,42 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..layers import NoiseEmbedding, TransformerLayer, init_weights
+from ..layers import NoiseEmbedding, init_weights
 from ..target import TargetEmbedding
-from .chunked_masked_net import block_causal_mask, clean_len
+from .chunked_masked_net import MASK_ID, ChunkedMaskedNet
 
-NO_BYTE = 256          # the "previous byte" id of a position whose previous byte is noisy
+NO_BYTE = MASK_ID      # the "previous byte" id of a position whose previous byte is noisy
 
 
 def sigma_to_c_noise(sigma: torch.Tensor) -> torch.Tensor:
     return sigma.float().log() / 4
 
 
-class ChunkedContinuousNet(nn.Module):
+class ChunkedContinuousNet(ChunkedMaskedNet):
+    """chunked-masked's network (same streams, mask, layers and zero-initialised head) with a
+    continuous noisy stream: the byte-id embedding of a noisy position is replaced by a linear map
+    of its scaled state plus a noise-level embedding."""
+
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
+        super().__init__(cfg)
         d = cfg.d_model
-        self.k = cfg.chunk_len
         self.in_proj = nn.Linear(cfg.target_dim, d)
         self.noise_emb = NoiseEmbedding(d)
-        self.tok_emb = nn.Embedding(cfg.vocab_size, d)
-        self.prev_emb = nn.Embedding(cfg.vocab_size + 1, d)
-        self.pos_emb = nn.Embedding(cfg.seq_len, d)
-        self.stream_emb = nn.Embedding(2, d)      # 0 = noisy, 1 = clean
-        self.layers = nn.ModuleList(
-            TransformerLayer(d, cfg.n_heads, cfg.mlp_ratio, cfg.dropout) for _ in range(cfg.layers_per_block)
-        )
-        self.norm_out = nn.LayerNorm(d)
-        self.head = nn.Linear(d, cfg.vocab_size)
-        init_weights(self)
-        nn.init.zeros_(self.head.weight)   # starts as a uniform prior: the posterior is the likelihood
-        nn.init.zeros_(self.head.bias)
-        self._mask_cache: dict[tuple[int, str], torch.Tensor] = {}
-
-    def _mask(self, t: int, device: torch.device) -> torch.Tensor:
-        key = (t, str(device))
-        m = self._mask_cache.get(key)
-        if m is None:
-            m = self._mask_cache[key] = block_causal_mask(t, self.k, device)
-        return m
+        init_weights(self.in_proj)
+        init_weights(self.noise_emb)
 
     def forward(self, context: torch.Tensor, x_in: torch.Tensor, c_noise: torch.Tensor) -> torch.Tensor:
         """context (N, T) clean previous bytes, x_in (N, T, D) scaled noisy state, c_noise (N, T)
         -> (N, T, 256) prior logits of y_i at every noisy position."""
         n, t, _ = x_in.shape
         dev = x_in.device
-        tc = clean_len(t, self.k)
-        pos = torch.arange(t, device=dev)
         prev = torch.full((n, t), NO_BYTE, dtype=torch.long, device=dev)
         starts = torch.arange(0, t, self.k, device=dev)
         prev[:, starts] = context[:, starts]
+        pos = torch.arange(t, device=dev)
         h_noisy = (self.in_proj(x_in) + self.noise_emb(c_noise) + self.prev_emb(prev)
                    + self.pos_emb(pos) + self.stream_emb.weight[0])
-        if tc:
-            h_clean = (self.tok_emb(context[:, 1:tc + 1]) + self.prev_emb(context[:, :tc])
-                       + self.pos_emb(pos[:tc]) + self.stream_emb.weight[1])
-            h = torch.cat([h_noisy, h_clean], dim=1)
-        else:
-            h = h_noisy
-        mask = self._mask(t, dev)
-        for layer in self.layers:
-            h = layer(h, None, mask)
-        return self.head(self.norm_out(h[:, :t]))
+        return self.run_streams(h_noisy, context)
 
 
 class ChunkedContinuousBlock(nn.Module):

@@ -72,7 +72,7 @@ from ..chain import Hop, HopRequest, HopResult
 from ..config import ConfigError, ModelConfig
 from .base import Objective, ScoreResult, sample_bytes
 from .chunked_masked_net import MASK_ID, ChunkedMaskedNet, chunk_ids, clean_len
-from .common import autocast
+from .common import autocast, stratified_uniform
 
 REVEAL_ORDERS = ("random", "left-to-right")
 SCORE_MICROBATCH = 16
@@ -202,9 +202,7 @@ class ChunkedMaskedObjective(Objective):
         lens = chunk_lengths(t_len, self.k)
         c = lens.numel()
         m = n * c
-        u = (torch.rand(1, generator=generator, dtype=torch.float64)
-             + torch.arange(m, dtype=torch.float64) / m) % 1.0
-        u = u[torch.randperm(m, generator=generator)].view(n, c)
+        u = stratified_uniform(m, generator).view(n, c)
         t = lo + (hi - lo) * u
         forced = (torch.rand(n, c, generator=generator, dtype=torch.float64) * lens.double()).long()
         cid = chunk_ids(t_len, self.k)

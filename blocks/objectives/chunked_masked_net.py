@@ -103,12 +103,18 @@ class ChunkedMaskedNet(nn.Module):
         """context (N, T) clean previous bytes x_i, noisy (N, T) ids z_i in 0..256 -> (N, T, 256)
         logits of y_i at every noisy position. Logits of chunk c read only noisy[:, chunk c] and
         context[:, :c*k + 1]."""
-        n, t = noisy.shape
-        dev = noisy.device
-        tc = clean_len(t, self.k)
-        pos = torch.arange(t, device=dev)
+        pos = torch.arange(noisy.shape[1], device=noisy.device)
         h_noisy = (self.tok_emb(noisy) + self.prev_emb(noisy_prev_ids(context, noisy, self.k))
                    + self.pos_emb(pos) + self.stream_emb.weight[0])
+        return self.run_streams(h_noisy, context)
+
+    def run_streams(self, h_noisy: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """Append the clean stream to the embedded noisy stream (N, T, d), run the layers under the
+        block-causal mask, return the head's logits at the noisy positions."""
+        t = h_noisy.shape[1]
+        dev = h_noisy.device
+        tc = clean_len(t, self.k)
+        pos = torch.arange(t, device=dev)
         if tc:
             h_clean = (self.tok_emb(context[:, 1:tc + 1]) + self.prev_emb(context[:, :tc])
                        + self.pos_emb(pos[:tc]) + self.stream_emb.weight[1])

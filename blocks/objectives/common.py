@@ -28,3 +28,10 @@ def prepare_prompt(prompt: bytes, n_bytes: int, seq_len: int, *, one_sweep: bool
         keep = seq_len - n_bytes + 1
         return p[-keep:]
     return p[-seq_len:]
+
+
+def stratified_uniform(m: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """m float64 draws in [0, 1), one in each interval [i/m, (i+1)/m) shifted by one common offset,
+    in random order: uniform marginals with low discrepancy over a batch."""
+    u = (torch.rand(1, generator=generator, dtype=torch.float64) + torch.arange(m, dtype=torch.float64) / m) % 1.0
+    return u[torch.randperm(m, generator=generator)]
