@@ -176,13 +176,14 @@ class ChunkedContinuousObjective(Objective):
         u = stratified_uniform(m, generator).view(n, c)
         return log_uniform(lo, hi, u)[:, chunk_ids(t_len, self.k)]
 
-    def segment_terms(self, block_or_logits, windows: torch.Tensor, sigma_pos: torch.Tensor,
+    def segment_terms(self, logits_fn, windows: torch.Tensor, sigma_pos: torch.Tensor,
                       eps: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """(N, T) weight * |e(y_i) - D_i|^2 with D from the block at z = e(y) + sigma * eps."""
+        """(N, T) weight * |e(y_i) - D_i|^2, D the posterior mean of ``logits_fn(ctx, z, sigma)`` (a block,
+        or a hop wrapped by ``_hop_logits_fn``) at z = e(y) + sigma * eps."""
         ctx, y = windows[:, :-1], windows[:, 1:]
         x = self.table.to(windows.device)[y]
         z = x + sigma_pos.float().unsqueeze(-1) * eps
-        logits = block_or_logits(ctx, z, sigma_pos)
+        logits = logits_fn(ctx, z, sigma_pos)
         d = torch.softmax(logits.float(), -1) @ self.table.to(windows.device)
         return weight * (x - d).pow(2).sum(-1)
 
@@ -299,8 +300,7 @@ class ChunkedContinuousObjective(Objective):
     @torch.no_grad()
     def block_alone_ce(self, block, b, windows, generator=None) -> float:
         dev = next(block.parameters()).device
-        hops = [ChunkedContinuousHop(block, math.log(self.sigma_range(i)[1] / self.sigma_range(i)[0]), self.steps)
-                for i in range(self.cfg.n_blocks)]
+        hops = [self.make_hop(block, i) for i in range(self.cfg.n_blocks)]      # block b on every range
         return self.discrete_bound(hops, windows.to(dev), 1, generator)["bound"]
 
     # -- generation ---------------------------------------------------------------------------------
