@@ -94,7 +94,7 @@ def bench_swarm_cmd(steps, average_every, compressions, layout, overrides, data,
     Example:
       bt-node bench swarm --plot docs/bench_swarm_ce.png
     """
-    from ..node.bench_swarm import SwarmBenchSettings, plot_swarm, run_bench_swarm   # imports hivemind
+    from blocktrain.bench.swarm import SwarmBenchSettings, plot_swarm, run_bench_swarm   # imports hivemind
 
     s = SwarmBenchSettings.tiny() if tiny else SwarmBenchSettings()
     s.overrides += list(overrides)
@@ -168,7 +168,7 @@ def bench_compression_cmd(steps, average_every, compressions, overrides, data, s
     Example:
       bt-node bench compression --json
     """
-    from ..node.bench_compression import CompressionBenchSettings, run_bench_compression   # imports hivemind
+    from blocktrain.bench.compression import CompressionBenchSettings, run_bench_compression   # imports hivemind
 
     s = CompressionBenchSettings.tiny() if tiny else CompressionBenchSettings()
     s.overrides += list(overrides)
@@ -251,7 +251,7 @@ def bench_inference_cmd(lengths, delay_ms, train_budget, reference_budget, promp
     Example:
       bt-node bench inference --delay-ms 25
     """
-    from ..node.bench_inference import InferenceBenchSettings, plot_inference, run_bench_inference
+    from blocktrain.bench.inference import InferenceBenchSettings, plot_inference, run_bench_inference
 
     s = InferenceBenchSettings.tiny() if tiny else InferenceBenchSettings()
     s.overrides += list(overrides)

@@ -6,8 +6,8 @@ import json
 import click
 from rich.table import Table
 
-from ..node.bench_resources import TINY_OVERRIDES, bench_memory, bench_throughput
-from ..node.local_train import pick_device
+from blocktrain.bench.resources import TINY_OVERRIDES, bench_memory, bench_throughput
+from blocktrain.blocks.local_run import pick_device
 from .config_opts import build_config, config_options
 from .errors import friendly
 from .render import emit_json, err_console

@@ -5,9 +5,9 @@ import click
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..blocks.data import resolve_data
-from ..node.budget import Budget
-from ..node.local_eval import evaluate_checkpoint_dir
-from ..node.local_train import LocalRun, pick_device
+from blocktrain.blocks.budget import Budget
+from blocktrain.blocks.local_eval import evaluate_checkpoint_dir
+from blocktrain.blocks.local_run import LocalRun, pick_device
 from .config_opts import build_config, config_options
 from .errors import friendly
 from .render import emit_json, err_console, eval_table

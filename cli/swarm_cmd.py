@@ -8,7 +8,7 @@ import click
 from rich.live import Live
 from rich.table import Table
 
-from ..node.budget import Budget
+from blocktrain.blocks.budget import Budget
 from .errors import friendly
 from .render import emit_json, err_console
 
@@ -50,7 +50,7 @@ def swarm(nodes, budget, data, overrides, http_port, keep_running, workdir, prom
       bt-node swarm --budget 120s
       bt-node swarm --nodes 6 --budget 5m --keep-running --http-port 8000
     """
-    from ..node.swarm import run_swarm   # imports hivemind
+    from blocktrain.node.swarm.run import run_swarm   # imports hivemind
 
     b = Budget.parse(budget)
     if b.seconds is None:

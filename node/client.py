@@ -15,7 +15,7 @@ from ..p2p.discovery import Discovery
 from ..p2p.errors import RunNotFoundError
 from ..p2p.rpc_client import HopClient
 from . import generation
-from .routing import BanList, Router
+from blocktrain.node.routing.router import BanList, Router
 
 
 class NetworkClient:

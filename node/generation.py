@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from .routing import RouteLog, Router
+from blocktrain.node.routing.router import RouteLog, Router
 
 
 def generate(objective, router: Router, prompt: bytes, n_bytes: int, mode: str, *, seed: int | None = 0,

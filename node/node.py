@@ -29,11 +29,11 @@ from ..p2p.records import BlockAnnouncement, RunManifest
 from ..p2p.rpc_client import HopClient
 from ..p2p.rpc_server import BlockRPCServer
 from .auth import RunAuth
-from .averaging import BlockAverager
-from .default_data import resolve_default
-from .local_train import pick_device
+from blocktrain.node.averaging.round import BlockAverager
+from blocktrain.blocks.default_data import resolve_default
+from blocktrain.blocks.local_run import pick_device
 from .options import NodeOptions
-from .routing import BanList, Router
+from blocktrain.node.routing.router import BanList, Router
 from .trainer import BlockTrainer
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ class Node:
                     self.errors.append(f"state download from {a.peer_id} failed: {e}")
 
     def _start_http(self) -> None:
-        from .http_server import HttpServer
+        from blocktrain.node.http.server import HttpServer
         from .service import NodeBackend
         self.http = HttpServer(NodeBackend(self), self.opts.http_host, self.opts.http_port)
         self.http.start()

@@ -15,7 +15,7 @@ Modules, one concern each:
 * ``traffic``    ``TrafficCounter``: bytes on the wire
 * ``aioloop``    ``LoopThread``: an event loop in a thread for thread-based callers
 * ``errors``     every error type raised here
-* ``microbench`` ``python -m blocktrain.p2p.microbench [--json]``
+* ``microbench`` ``python -m blocktrain.bench.p2p [--json]``
 * ``_testnode``  a controllable node process for tests and benchmarks
 
 Submodules are not imported here, so ``import blocktrain.p2p`` stays cheap.

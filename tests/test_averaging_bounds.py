@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from blocktrain.node.averaging import BlockAverager
+from blocktrain.node.averaging.round import BlockAverager
 from blocktrain.node.trainer import BlockTrainer
 
-from helpers import tiny_config
+from test_utils.configs import tiny_config
 
 pytestmark = [pytest.mark.reliability, pytest.mark.network]
 

@@ -14,8 +14,8 @@ import torch
 
 pytest.importorskip("hivemind")
 
-from blocktrain.node.averaging import make_compression, patch_8bit_decoder  # noqa: E402
-from blocktrain.node.bench_compression import butterfly_average, codec_round_trip  # noqa: E402
+from blocktrain.node.averaging.round import make_compression, patch_8bit_decoder  # noqa: E402
+from blocktrain.bench.compression import butterfly_average, codec_round_trip  # noqa: E402
 
 
 def _replicas(g, seed=0):

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from blocktrain.cli.main import cli
-from blocktrain.node.bench_resources import peak_tflops_for
+from blocktrain.bench.resources import peak_tflops_for
 
 
 def bt_json(*args, timeout=120) -> dict:

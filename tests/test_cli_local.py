@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from blocktrain.blocks.data import resolve_data
-from blocktrain.node.budget import Budget, BudgetError
-from blocktrain.node.local_train import LocalRun
+from blocktrain.blocks.budget import Budget, BudgetError
+from blocktrain.blocks.local_run import LocalRun
 
-from helpers import need_wikitext, tiny_config
+from test_utils.configs import need_wikitext, tiny_config
 
 TINY = ["--set", "d_model=32", "--set", "n_heads=2", "--set", "layers_per_block=1", "--set", "n_blocks=2",
         "--set", "seq_len=32", "--set", "target_dim=16", "--set", "batch_size=4"]

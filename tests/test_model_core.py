@@ -12,7 +12,7 @@ from blocktrain.blocks.objectives import get_objective
 from blocktrain.blocks.schedule import NoiseSchedule, edm_coefficients, edm_loss_weight
 from blocktrain.blocks.train import make_optimizer, optimizer_step
 
-from helpers import tiny_config
+from test_utils.configs import tiny_config
 
 
 # -- schedule -------------------------------------------------------------------------------------

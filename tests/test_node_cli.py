@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from blocktrain.node.launcher import LocalSwarm
-from blocktrain.node.swarm import SWARM_DEFAULTS, plan_blocks
+from blocktrain.node.swarm.launcher import LocalSwarm
+from blocktrain.node.swarm.run import SWARM_DEFAULTS, plan_blocks
 
-from helpers import need_wikitext
+from test_utils.configs import need_wikitext
 
 TINY_SETS = [x for kv in SWARM_DEFAULTS + ["n_blocks=2"] for x in ("--set", kv)]
 

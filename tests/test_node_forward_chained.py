@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from blocktrain.node.averaging import BlockAverager
+from blocktrain.node.averaging.round import BlockAverager
 from blocktrain.node.trainer import BlockTrainer, UpstreamNotReady
 
-from helpers import tiny_config
+from test_utils.configs import tiny_config
 
 DATA = np.frombuffer(b"the cat sat on the mat; the dog sat on the log. " * 60, dtype=np.uint8)
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from blocktrain.node.client import NetworkClient
-from blocktrain.node.launcher import LocalSwarm
-from blocktrain.node.swarm import SWARM_DEFAULTS
+from blocktrain.node.swarm.launcher import LocalSwarm
+from blocktrain.node.swarm.run import SWARM_DEFAULTS
 
-from helpers import need_wikitext
+from test_utils.configs import need_wikitext
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

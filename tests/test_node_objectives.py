@@ -12,10 +12,10 @@ import math
 
 import pytest
 
-from blocktrain.node.launcher import LocalSwarm
+from blocktrain.node.swarm.launcher import LocalSwarm
 
-from helpers import need_wikitext
-from reliability_helpers import average_until_accepted, wait_for
+from test_utils.configs import need_wikitext
+from test_utils.reliability import average_until_accepted, wait_for
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ from blocktrain.blocks.objectives import OBJECTIVES, get_objective
 from blocktrain.blocks.objectives.chunked_continuous import ChunkedContinuousObjective
 from blocktrain.blocks.train import make_optimizer, optimizer_step
 
-from helpers import tiny_config
+from test_utils.configs import tiny_config
 
 LN256 = math.log(256)
 

@@ -15,7 +15,7 @@ from blocktrain.blocks.objectives.chunked_masked import ChunkedMaskedObjective
 from blocktrain.blocks.objectives.chunked_masked_net import MASK_ID, block_causal_mask
 from blocktrain.blocks.train import make_optimizer, optimizer_step
 
-from helpers import tiny_config
+from test_utils.configs import tiny_config
 
 LN256 = math.log(256)
 
@@ -327,7 +327,7 @@ def test_flop_count_charges_a_block_for_its_longer_training_forward():
 
     from blocktrain.blocks.data import DataSplit
     from blocktrain.blocks.flops import train_flops_per_step
-    from blocktrain.node.local_train import LocalRun
+    from blocktrain.blocks.local_run import LocalRun
 
     cfg = cm_config(n_blocks=2)
     obj = get_objective(cfg)

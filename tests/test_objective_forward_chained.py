@@ -14,9 +14,9 @@ from blocktrain.blocks.flops import train_flops_per_step
 from blocktrain.blocks.objectives import OBJECTIVES, get_objective
 from blocktrain.blocks.objectives.forward_chained import ForwardChainedObjective
 from blocktrain.blocks.train import make_optimizer, optimizer_step
-from blocktrain.node.local_train import LocalRun
+from blocktrain.blocks.local_run import LocalRun
 
-from helpers import tiny_config
+from test_utils.configs import tiny_config
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

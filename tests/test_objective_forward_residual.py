@@ -12,7 +12,7 @@ from blocktrain.blocks.objectives import OBJECTIVES, get_objective
 from blocktrain.blocks.objectives.forward_residual import ForwardResidualObjective
 from blocktrain.blocks.train import make_optimizer, optimizer_step
 
-from helpers import tiny_config
+from test_utils.configs import tiny_config
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

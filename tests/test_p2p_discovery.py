@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_helpers import NodeCommandError, NodeProc, group_alive, stop_all
+from test_utils.wire_procs import NodeCommandError, NodeProc, group_alive, stop_all
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(150)]
 
@@ -136,7 +136,7 @@ def test_forged_and_schema_violating_records_are_rejected(net):
     assert a.cmd("announce", block_index=0, config_hash=HASH) is True
     assert _until(lambda: holders(c).get("0"))
     rogue = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("p2p_helpers.py")), "rogue", "--peer", b.maddrs[0],
+        [sys.executable, str(Path(__file__).parent / "test_utils" / "wire_procs.py"), "rogue", "--peer", b.maddrs[0],
          "--run-id", RUN, "--config-hash", HASH, "--victim-peer-id", a.peer_id,
          "--victim-public-key", a.info["public_key"]],
         capture_output=True, text=True, timeout=90, start_new_session=True,

@@ -10,7 +10,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
 
 from blocktrain.p2p.identity import IdentityError, IdentityInUseError, NodeIdentity, peer_id_from_public_key
-from p2p_helpers import NodeCommandError, NodeProc, group_alive, stop_all
+from test_utils.wire_procs import NodeCommandError, NodeProc, group_alive, stop_all
 
 
 def test_create_then_reload_gives_same_peer_id(tmp_path):

@@ -1,6 +1,6 @@
 """Block RPC against a real server process on 127.0.0.1 (its own p2pd), client in this process.
 
-The server (``blocktrain.p2p._testnode --serve-rpc``) computes ``state * 0.5 + sigma`` and
+The server (``tests/test_utils/wire_node.py --serve-rpc``) computes ``state * 0.5 + sigma`` and
 one-hot logits, so every answer can be checked exactly.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from blocktrain.p2p.hops import WIRE_VERSION, HopRequest, decode_meta, encode_me
 from blocktrain.p2p.rpc_client import HopClient
 from blocktrain.p2p.rpc_server import BlockService
 from blocktrain.p2p.tensors import encode_tensor
-from p2p_helpers import NodeProc, group_alive, stop_all
+from test_utils.wire_procs import NodeProc, group_alive, stop_all
 
 pytestmark = [pytest.mark.network, pytest.mark.timeout(120)]
 

@@ -18,8 +18,8 @@ import pytest
 from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.node.client import NetworkClient
 
-from helpers import need_wikitext
-from reliability_helpers import (
+from test_utils.configs import need_wikitext
+from test_utils.reliability import (
     MANUAL_AVG, TINY, RelSwarm, all_finite, average_together, average_until_accepted, block_state, kill9,
     report, restart, stop_swarm, wait_for,
 )

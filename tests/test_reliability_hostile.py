@@ -5,7 +5,7 @@
   test's "insider" client identity),
 * block 1: ``h1`` (honest, never trains, so routers rank it last) and two holders started with the
   test knob ``BT_FAULT_INJECT``: ``fnan`` answers every hop with NaN, ``fshape`` with the wrong shape,
-* a hostile averaging process (tests/hostile_averager.py) with fresh peer ids, pushing NaN, Inf,
+* a hostile averaging process (tests/test_utils/hostile_averager.py) with fresh peer ids, pushing NaN, Inf,
   1000x-scaled and random weights into block 0's averaging rounds, plus two outsiders of the
   private group (one without the secret, one that has it but is not on the allowlist).
 
@@ -23,8 +23,8 @@ from blocktrain.node.client import NetworkClient
 from blocktrain.p2p.errors import RemoteHopError
 from blocktrain.p2p.identity import NodeIdentity
 
-from helpers import need_wikitext
-from reliability_helpers import (
+from test_utils.configs import need_wikitext
+from test_utils.reliability import (
     MANUAL_AVG, TINY, HostileProc, RelSwarm, all_finite, average_until_accepted,
     block_state, kill9, report, stop_swarm, wait_for,
 )

@@ -21,12 +21,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from blocktrain.node.http_api import create_app
-from blocktrain.node.launcher import LocalSwarm
+from blocktrain.node.http.api import create_app
+from blocktrain.node.swarm.launcher import LocalSwarm
 from blocktrain.p2p.errors import HopRequestError, RecordError
 
-from helpers import need_wikitext
-from reliability_helpers import MANUAL_AVG, TINY, report, stop_swarm
+from test_utils.configs import need_wikitext
+from test_utils.reliability import MANUAL_AVG, TINY, report, stop_swarm
 
 pytestmark = [pytest.mark.reliability, pytest.mark.network]
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from blocktrain.node.acceptance import AcceptancePolicy, PeerBans, check_group, judge
+from blocktrain.node.averaging.acceptance import AcceptancePolicy, PeerBans, check_group, judge
 from blocktrain.node.auth import MIN_SECRET_BYTES, RunAuth, load_secret, validate_peer_id
 
 pytestmark = pytest.mark.reliability
@@ -136,7 +136,7 @@ def test_fault_injection_knob():
 
 
 def test_round_completeness_tells_a_full_average_from_a_partial_one():
-    from blocktrain.node.acceptance import round_completeness, weight_sketch
+    from blocktrain.node.averaging.acceptance import round_completeness, weight_sketch
     g = torch.Generator().manual_seed(0)
     mine = [torch.randn(300, 20, generator=g), torch.randn(50, generator=g)]
     theirs = [t + 0.1 * torch.randn(t.shape, generator=g) for t in mine]
@@ -163,8 +163,8 @@ def test_garbage_sketches_from_a_member_leave_the_round_diagnostics_alone():
     """A member's gathered sketch is untrusted input: non-finite or malformed ones must not reach
     /v1/status (a NaN there would make the status JSON unencodable)."""
     pytest.importorskip("hivemind")
-    from blocktrain.node.acceptance import weight_sketch
-    from blocktrain.node.averaging import AveragingStats, BlockAverager
+    from blocktrain.node.averaging.acceptance import weight_sketch
+    from blocktrain.node.averaging.round import AveragingStats, BlockAverager
     mine = [torch.ones(40, 10)]
     mean = [torch.full((40, 10), 2.0)]
     stamp = {"weight": 1.0, "sketch": weight_sketch(mine)}

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from blocktrain.node.launcher import LocalSwarm
-from blocktrain.node.swarm import SWARM_DEFAULTS
+from blocktrain.node.swarm.launcher import LocalSwarm
+from blocktrain.node.swarm.run import SWARM_DEFAULTS
 
-from helpers import need_wikitext
+from test_utils.configs import need_wikitext
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 

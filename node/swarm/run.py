@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from ..blocks.config import ModelConfig
-from .client import NetworkClient
-from .default_data import resolve_default
-from .launcher import LocalSwarm
+from blocktrain.blocks.config import ModelConfig
+from blocktrain.node.client import NetworkClient
+from blocktrain.blocks.default_data import resolve_default
+from blocktrain.node.swarm.launcher import LocalSwarm
 
 # Small enough that 5 node processes train usefully on a 2-core laptop in two minutes.
 SWARM_DEFAULTS = ["d_model=64", "n_heads=2", "layers_per_block=1", "n_blocks=4", "seq_len=64",

@@ -1,6 +1,6 @@
-"""A controllable wire-layer node for tests, benchmarks and manual debugging (not used by the real node).
+"""A controllable wire-layer node for tests, benchmarks and manual debugging (tests only).
 
-    python -m blocktrain.p2p._testnode [--identity PATH] [--initial-peer MADDR ...] --run-id R [--serve-rpc ...]
+    python tests/test_utils/wire_node.py [--identity PATH] [--initial-peer MADDR ...] --run-id R [--serve-rpc ...]
 
 Prints one JSON line ``{"event": "ready", "peer_id", "maddrs", "public_key"}`` then reads JSON
 commands on stdin, one per line (``{"cmd": "announce", ...}``) and answers each with one JSON line

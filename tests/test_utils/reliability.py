@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-from blocktrain.node.launcher import LocalSwarm, NodeProc, free_port
+from blocktrain.node.swarm.launcher import LocalSwarm, NodeProc, free_port
 
 HERE = Path(__file__).resolve().parent
 # small enough that several node processes start and train on a loaded 2-core machine
@@ -165,7 +165,7 @@ def stop_swarm(sw: LocalSwarm, grace: float = 15.0) -> None:
 
 
 class HostileProc:
-    """Drives tests/hostile_averager.py (a separate process in its own process group)."""
+    """Drives tests/test_utils/hostile_averager.py (a separate process in its own process group)."""
 
     def __init__(self, initial_peers: list[str], run_id: str, log_path: Path, *, block: int = 0,
                  identities: int = 1, secret_file: Path | None = None, secret_identities: tuple = (),

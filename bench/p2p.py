@@ -1,6 +1,6 @@
 """Loopback micro-benchmark of the wire: DHT lookup latency, RPC round trip, streamed throughput.
 
-    python -m blocktrain.p2p.microbench [--json] [--lookups 20] [--hops 30]
+    python -m blocktrain.bench.p2p [--json] [--lookups 20] [--hops 30]
 
 Topology (all on 127.0.0.1): node A is a separate process (``_testnode``: DHT + RPC server for
 block 0, D=64); nodes B and C are DHT nodes of this process (each DHT runs in its own child

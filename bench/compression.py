@@ -26,14 +26,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..blocks.config import ModelConfig
-from ..blocks.data import eval_windows
-from ..blocks.objectives import get_objective
-from .averaging import COMPRESSIONS, make_compression, patch_8bit_decoder
-from .bench_swarm import FULL_CONFIG, TINY_CONFIG
-from .default_data import resolve_default
-from .swarm import typed_settings
-from .trainer import BlockTrainer
+from blocktrain.blocks.config import ModelConfig
+from blocktrain.blocks.data import eval_windows
+from blocktrain.blocks.objectives import get_objective
+from blocktrain.node.averaging.round import COMPRESSIONS, make_compression, patch_8bit_decoder
+from blocktrain.bench.swarm import FULL_CONFIG, TINY_CONFIG
+from blocktrain.blocks.default_data import resolve_default
+from blocktrain.node.swarm.run import typed_settings
+from blocktrain.node.trainer import BlockTrainer
 
 FP16_CE_TARGET = 0.01   # issue 5: fp16 averaging within 0.01 nats/byte of fp32
 

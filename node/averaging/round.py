@@ -25,9 +25,9 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
-from .acceptance import (AcceptancePolicy, PeerBans, Verdict, check_group, judge, round_completeness,
+from blocktrain.node.averaging.acceptance import (AcceptancePolicy, PeerBans, Verdict, check_group, judge, round_completeness,
                          weight_sketch)
-from .trainer import BlockTrainer
+from blocktrain.node.trainer import BlockTrainer
 
 log = logging.getLogger(__name__)
 # "could not find a group" is the normal outcome of a round with no same-block peer online;

@@ -7,11 +7,11 @@ from importlib import resources
 
 import uvicorn
 
-from .http_api import create_app
+from blocktrain.node.http.api import create_app
 
 
 def static_dir() -> str | None:
-    d = resources.files("blocktrain.node") / "static"
+    d = resources.files("blocktrain.node.http") / "static"
     return str(d) if d.is_dir() else None
 
 

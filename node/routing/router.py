@@ -17,9 +17,9 @@ from typing import Callable
 
 import torch
 
-from ..blocks.chain import HopRequest, HopResult
-from ..p2p.errors import HopError, MissingBlockError
-from ..p2p.hops import HopRequest as WireHopRequest
+from blocktrain.blocks.chain import HopRequest, HopResult
+from blocktrain.p2p.errors import HopError, MissingBlockError
+from blocktrain.p2p.hops import HopRequest as WireHopRequest
 
 log = logging.getLogger(__name__)
 

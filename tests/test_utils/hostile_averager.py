@@ -4,7 +4,7 @@ tensor shapes, config hash and gathered metadata, so only the *values* are hosti
 
 Run as a process; it speaks JSON lines (commands on stdin, one answer per command on stdout)::
 
-    python tests/hostile_averager.py --initial-peers MADDR --run-id R --block 0 --identities 3 \
+    python tests/test_utils/hostile_averager.py --initial-peers MADDR --run-id R --block 0 --identities 3 \
         [--secret-file FILE --secret-identities 2]
 
     {"cmd": "round", "identity": 0, "mode": "nan", "timeout": 40}
@@ -48,7 +48,7 @@ class Hostile:
         # hivemind names the averager's RPC protocols after the servicer class, so a peer must use
         # a class of the same name to be understood at all; with no trainer and no policy set,
         # this class is plain hivemind (no acceptance checks, no bans: nothing guards this peer)
-        from blocktrain.node.averaging import _BlockStateAverager as DecentralizedAverager
+        from blocktrain.node.averaging.round import _BlockStateAverager as DecentralizedAverager
         from blocktrain.p2p.discovery import Discovery
 
         self.args = args

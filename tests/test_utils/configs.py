@@ -7,7 +7,7 @@ import pytest
 
 from blocktrain.blocks.config import ModelConfig
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO.parent / "shared" / "data"
 WIKITEXT = SHARED_DATA / "wikitext-2-raw"
 

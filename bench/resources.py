@@ -2,7 +2,7 @@
 
 ``bench memory``
     Each measurement (one block, or the full-depth reference) runs in a FRESH Python process
-    (``python -m blocktrain.node.bench_resources --measure block|reference ...``) so neither
+    (``python -m blocktrain.bench.resources --measure block|reference ...``) so neither
     sees the other's allocations. The process imports torch and blocktrain, runs one warm-up
     step on a throwaway model of the same kind with a few KiB of parameters (the first optimizer
     step lazily imports torch._dynamo and starts thread pools: ~90 MiB that any torch process
@@ -44,11 +44,11 @@ from typing import Any
 
 import torch
 
-from ..blocks.config import ModelConfig
-from ..blocks.flops import train_flops_per_step
-from ..blocks.objectives import get_objective
-from ..blocks.reference import ReferenceLM
-from ..blocks.train import make_optimizer, optimizer_step, reference_loss_fn
+from blocktrain.blocks.config import ModelConfig
+from blocktrain.blocks.flops import train_flops_per_step
+from blocktrain.blocks.objectives import get_objective
+from blocktrain.blocks.reference import ReferenceLM
+from blocktrain.blocks.train import make_optimizer, optimizer_step, reference_loss_fn
 
 MiB = 1024.0 * 1024.0
 # Optional second CPU measurement: fixed glibc mmap threshold, so RSS follows live tensors.
@@ -267,7 +267,7 @@ def live_tensor_peak(tr: "_Trainee") -> dict:
 
 def _child_cmd(cfg: ModelConfig, which: str, *, steps: int, device: torch.device, block_index: int,
                threads: int | None) -> list[str]:
-    cmd = [sys.executable, "-m", "blocktrain.node.bench_resources", "--measure", which,
+    cmd = [sys.executable, "-m", "blocktrain.bench.resources", "--measure", which,
            "--config-json", cfg.to_json(), "--steps", str(steps), "--device", device.type,
            "--block", str(block_index)]
     if threads is not None:
@@ -441,7 +441,7 @@ def bench_throughput(cfg: ModelConfig, device: torch.device, *, warmup: int = 3,
 
 # -- child entry point ----------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m blocktrain.node.bench_resources",
+    ap = argparse.ArgumentParser(prog="python -m blocktrain.bench.resources",
                                  description="One memory measurement in this (fresh) process; prints JSON.")
     ap.add_argument("--measure", choices=["block", "reference"], required=True)
     ap.add_argument("--config-json", required=True)

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import torch
 
-from ..blocks import checkpoint as ckpt
-from ..blocks.data import DataSplit, eval_windows
-from ..blocks.evaluate import evaluate_blocks, evaluate_reference
-from ..blocks.objectives import get_objective
-from ..blocks.reference import ReferenceLM
+from blocktrain.blocks import checkpoint as ckpt
+from blocktrain.blocks.data import DataSplit, eval_windows
+from blocktrain.blocks.evaluate import evaluate_blocks, evaluate_reference
+from blocktrain.blocks.objectives import get_objective
+from blocktrain.blocks.reference import ReferenceLM
 
 
 def load_blocks(directory: str | Path, device: torch.device):

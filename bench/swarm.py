@@ -36,13 +36,13 @@ from typing import Callable
 
 import torch
 
-from ..blocks import checkpoint as ckpt
-from ..blocks.config import ModelConfig
-from ..blocks.data import eval_windows
-from ..blocks.objectives import get_objective
-from .default_data import resolve_default
-from .launcher import LocalSwarm
-from .swarm import typed_settings
+from blocktrain.blocks import checkpoint as ckpt
+from blocktrain.blocks.config import ModelConfig
+from blocktrain.blocks.data import eval_windows
+from blocktrain.blocks.objectives import get_objective
+from blocktrain.blocks.default_data import resolve_default
+from blocktrain.node.swarm.launcher import LocalSwarm
+from blocktrain.node.swarm.run import typed_settings
 
 AVERAGED_FP16_BYTES_TARGET = 0.55     # issue 5: fp16 averaging moves <= 0.55x the bytes of fp32 ...
 AVERAGED_FP16_CE_TARGET = 0.01        # ... with CE within 0.01
@@ -158,7 +158,7 @@ class _Run:
         for nd in self.swarm.nodes[1:]:
             nd.wait_ready(timeout=240)
         self.t_ready = time.time()
-        from .client import NetworkClient
+        from blocktrain.node.client import NetworkClient
         self.client = NetworkClient([self.swarm.seed_maddr], self.swarm.run_id)
 
     def stop(self) -> None:
@@ -236,7 +236,7 @@ class _Run:
         return max(self.plan.count(b) for b in range(self.cfg.n_blocks))
 
     def score(self, windows: torch.Tensor, k: int, replica: int = 0) -> float:
-        from .routing import RouteLog
+        from blocktrain.node.routing.router import RouteLog
         route = RouteLog()
         router = self.client.router
         hops = [(lambda req, b=b, p=p: router._remote(p, b, req, route)) for b, p in enumerate(self.peers(replica))]

@@ -18,15 +18,15 @@ from typing import Callable
 
 import torch
 
-from ..blocks import checkpoint as ckpt
-from ..blocks.config import ModelConfig
-from ..blocks.data import DataSplit, WindowSampler, eval_windows
-from ..blocks.evaluate import evaluate_blocks, evaluate_reference
-from ..blocks.flops import train_flops_per_step
-from ..blocks.objectives import get_objective
-from ..blocks.reference import ReferenceLM
-from ..blocks.train import make_optimizer, optimizer_step, reference_loss_fn
-from .budget import Budget
+from blocktrain.blocks import checkpoint as ckpt
+from blocktrain.blocks.config import ModelConfig
+from blocktrain.blocks.data import DataSplit, WindowSampler, eval_windows
+from blocktrain.blocks.evaluate import evaluate_blocks, evaluate_reference
+from blocktrain.blocks.flops import train_flops_per_step
+from blocktrain.blocks.objectives import get_objective
+from blocktrain.blocks.reference import ReferenceLM
+from blocktrain.blocks.train import make_optimizer, optimizer_step, reference_loss_fn
+from blocktrain.blocks.budget import Budget
 
 
 def pick_device(name: str = "auto") -> torch.device:

@@ -34,15 +34,15 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..blocks import checkpoint as ckpt
-from ..blocks.config import ModelConfig
-from ..blocks.data import eval_windows
-from .bench_swarm import _env
-from .swarm import typed_settings
-from .budget import Budget
-from .default_data import resolve_default
-from .launcher import LocalSwarm
-from .local_train import LocalRun
+from blocktrain.blocks import checkpoint as ckpt
+from blocktrain.blocks.config import ModelConfig
+from blocktrain.blocks.data import eval_windows
+from blocktrain.bench.swarm import _env
+from blocktrain.node.swarm.run import typed_settings
+from blocktrain.blocks.budget import Budget
+from blocktrain.blocks.default_data import resolve_default
+from blocktrain.node.swarm.launcher import LocalSwarm
+from blocktrain.blocks.local_run import LocalRun
 
 SPEEDUP_TARGET, SPEEDUP_GOAL = 20.0, 50.0   # issue 5, for 256-byte outputs at 25 ms per hop
 
@@ -170,7 +170,7 @@ def run_bench_inference(s: InferenceBenchSettings, *, workdir: str | None = None
                     swarm.start_join(block=b, wait=False)
                 for nd in swarm.nodes[1:]:
                     nd.wait_ready(timeout=240)
-            from .client import NetworkClient
+            from blocktrain.node.client import NetworkClient
             client = NetworkClient([swarm.seed_maddr], swarm.run_id)
             say(f"chain of {cfg.n_blocks} nodes up after {time.time() - t0:.0f}s; warming up")
             client.generate(prompts[0], 1, "one_sweep")        # dial every holder once

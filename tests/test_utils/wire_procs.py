@@ -1,9 +1,9 @@
 """Helpers for the p2p tests: real node processes on 127.0.0.1 that are always cleaned up, and a rogue writer.
 
-``NodeProc`` runs ``python -m blocktrain.p2p._testnode`` in its own session (process group), so
+``NodeProc`` runs ``python tests/test_utils/wire_node.py`` in its own session (process group), so
 teardown can kill the node together with its DHT process and p2pd daemons.
 
-Run as a script (``python tests/p2p_helpers.py rogue ...``) this file is a *hostile* DHT peer: it
+Run as a script (``python tests/test_utils/wire_procs.py rogue ...``) this file is a *hostile* DHT peer: it
 signs with its own key but writes (1) under a victim's subkey, (2) schema-violating values and (3)
 well-formed announcements that claim the victim's peer id. It prints one JSON line and exits.
 """
@@ -21,7 +21,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-NODE_MODULE = "blocktrain.p2p._testnode"
+WIRE_NODE = str(Path(__file__).with_name("wire_node.py"))
 
 
 class NodeCommandError(Exception):
@@ -34,12 +34,12 @@ class NodeCommandError(Exception):
 class NodeProc:
     """A test node process speaking JSON lines on stdin/stdout."""
 
-    def __init__(self, name: str, args: Sequence[str], log_dir: Path, module: str = NODE_MODULE):
+    def __init__(self, name: str, args: Sequence[str], log_dir: Path, script: str = WIRE_NODE):
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", module, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._log, text=True, bufsize=1, start_new_session=True,
         )
         self._lines: queue.Queue[str | None] = queue.Queue()
@@ -194,5 +194,5 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "rogue":
         rogue_main(sys.argv[2:])
     else:
-        sys.exit("usage: python tests/p2p_helpers.py rogue --peer MADDR --run-id R --config-hash H "
+        sys.exit("usage: python tests/test_utils/wire_procs.py rogue --peer MADDR --run-id R --config-hash H "
                  "--victim-peer-id P --victim-public-key KEY")

@@ -1,0 +1,1 @@
+"""Test support code: process drivers, test nodes, hostile peers, tiny configs."""
