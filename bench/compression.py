@@ -29,7 +29,7 @@ import torch
 from blocktrain.blocks.config import ModelConfig
 from blocktrain.blocks.data import eval_windows
 from blocktrain.blocks.objectives import get_objective
-from blocktrain.node.averaging.round import COMPRESSIONS, make_compression, patch_8bit_decoder
+from blocktrain.p2p.averager import COMPRESSIONS, make_compression, patch_8bit_decoder
 from blocktrain.bench.swarm import FULL_CONFIG, TINY_CONFIG
 from blocktrain.blocks.default_data import resolve_default
 from blocktrain.node.swarm.run import typed_settings

@@ -236,10 +236,10 @@ class _Run:
         return max(self.plan.count(b) for b in range(self.cfg.n_blocks))
 
     def score(self, windows: torch.Tensor, k: int, replica: int = 0) -> float:
-        from blocktrain.node.routing.router import RouteLog
-        route = RouteLog()
-        router = self.client.router
-        hops = [(lambda req, b=b, p=p: router._remote(p, b, req, route)) for b, p in enumerate(self.peers(replica))]
+        from blocktrain.node.routing.hops import call_remote
+        client = self.client.hop_client
+        hops = [(lambda req, b=b, p=p: call_remote(client, p, b, req, timeout=20.0)[0])
+                for b, p in enumerate(self.peers(replica))]
         obj = self.client.objective
         return obj.score(hops, windows, k=k, generator=torch.Generator().manual_seed(0)).ce
 

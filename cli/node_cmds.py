@@ -74,46 +74,41 @@ def _run_node(opts: NodeOptions, ready_file: str | None, quiet: bool, banner: st
     signal.signal(signal.SIGINT, on_signal)
     try:
         node.start()
-        maddrs = node.discovery.visible_maddrs()
-        info = {"peer_id": node.peer_id, "maddrs": maddrs, "run_id": node.run_id, "block": node.block_index,
-                "http_port": node.http.port if node.http else None, "data": node.data_used,
-                "resumed": node.resumed, "downloaded_state": node.downloaded is not None}
+        st = node.snapshot()
+        me = st.self
+        info = {"peer_id": me["peer_id"], "maddrs": me["maddrs"], "run_id": st.run["run_id"], "block": me["block"],
+                "http_port": me["http_port"], "data": st.run["data"], "resumed": me["resumed"],
+                "downloaded_state": me["downloaded_state"]}
         if ready_file:
             tmp = Path(ready_file).with_suffix(".tmp")
             tmp.write_text(json.dumps(info) + "\n")
             tmp.replace(ready_file)
-        err_console.print(f"[bold green]{banner}[/] run [bold]{node.run_id}[/], block {node.block_index} of "
-                          f"{node.cfg.n_blocks}; data: {node.data_used}")
-        err_console.print("Others join with:\n  bt-node join --initial-peers " + (maddrs[0] if maddrs else "?"))
-        if node.http:
-            err_console.print(f"HTTP API and web page: http://{opts.http_host}:{node.http.port}/")
+        err_console.print(f"[bold green]{banner}[/] run [bold]{info['run_id']}[/], block {info['block']} of "
+                          f"{st.run['n_blocks']}; data: {info['data']}")
+        err_console.print("Others join with:\n  bt-node join --initial-peers " + (info["maddrs"] or ["?"])[0])
+        if info["http_port"]:
+            err_console.print(f"HTTP API and web page: http://{opts.http_host}:{info['http_port']}/")
         if quiet or not err_console.is_terminal:
             node.wait()
         else:
-            with Live(_progress(node), console=err_console, refresh_per_second=1, transient=True) as live:
+            with Live(_progress(st), console=err_console, refresh_per_second=1, transient=True) as live:
                 while not node.stop_event.wait(1.0):
-                    live.update(_progress(node))
+                    live.update(_progress(node.snapshot()))
     finally:
         node.stop()
     if node.errors:
         raise click.ClickException("node stopped after an error: " + node.errors[-1])
 
 
-def _progress(node) -> Table:
-    t = node.trainer
-    s = node.averager.stats if node.averager else None
-    peers = 0
-    try:
-        peers = len([h for h in node.discovery.list_holders(node.run_id).get(node.block_index, [])
-                     if h.peer_id != node.peer_id and h.is_live]) if node.discovery else 0
-    except Exception:
-        pass
-    last = "-" if not s or not s.last_round_time else f"{time.time() - s.last_round_time:.0f}s ago ({s.last_verdict})"
+def _progress(st) -> Table:
+    """One line of progress from a NodeStatus."""
+    me, a = st.self, st.averaging
+    peers = sum(1 for blk in st.blocks if blk["block"] == me["block"] for h in blk["holders"] if not h["is_self"])
+    last = "-" if not a["last_round_time"] else f"{time.time() - a['last_round_time']:.0f}s ago ({a['last_verdict']})"
     table = Table.grid(padding=(0, 2))
-    loss = t.recent_loss() if t else None
-    table.add_row(f"step {t.step if t else 0}", f"loss {loss:.3f}" if loss is not None else "loss -",
-                  f"{t.throughput() if t else 0:.1f} samples/s", f"peers of block {node.block_index}: {peers}",
-                  f"rounds ok {s.succeeded if s else 0}/{s.attempted if s else 0}", f"last round {last}")
+    table.add_row(f"step {me['step']}", f"loss {me['loss']:.3f}" if me["loss"] is not None else "loss -",
+                  f"{me['throughput']:.1f} samples/s", f"peers of block {me['block']}: {peers}",
+                  f"rounds ok {a['succeeded']}/{a['attempted']}", f"last round {last}")
     return table
 
 

@@ -15,7 +15,9 @@ from ..p2p.discovery import Discovery
 from ..p2p.errors import RunNotFoundError
 from ..p2p.rpc_client import HopClient
 from . import generation
-from blocktrain.node.routing.router import BanList, Router
+from blocktrain.node.routing.ranking import HolderRanking
+from blocktrain.node.routing.router import Router
+from blocktrain.node.state_fetch import StateFetcher
 
 
 class NetworkClient:
@@ -37,9 +39,10 @@ class NetworkClient:
             self.loop = LoopThread(name="bt-client")
             p2p = self.loop.run(self.discovery.dht.replicate_p2p(), timeout=30)
             self.hop_client = HopClient(p2p, self.run_id, loop=self.loop)
-            self.bans = BanList()
+            ranking = HolderRanking()
             self.router = Router(self.discovery, self.hop_client, self.run_id, self.cfg.n_blocks,
-                                 self.objective.state_dim(), hop_timeout=hop_timeout, bans=self.bans)
+                                 hop_timeout=hop_timeout, ranking=ranking)
+            self.fetcher = StateFetcher(self.hop_client, self.objective, ranking=ranking)
         except BaseException:
             self.close()
             raise
@@ -62,22 +65,16 @@ class NetworkClient:
         holders = self.holders()
         got = {}
         for b in range(self.cfg.n_blocks):
-            errors = []
-            for a in sorted((h for h in holders.get(b, []) if h.state == "online"), key=lambda h: -h.step):
-                try:
-                    meta, tensors = self.hop_client.get_block_state_sync(a.peer_id, b, timeout=timeout)
-                except Exception as e:
-                    errors.append(f"{a.peer_id}: {e}")
-                    continue
-                fresh = self.objective.build_block(b)
-                fresh.load_state_dict(tensors)   # refuses wrong names/shapes
-                ckpt.save_block(out / ckpt.block_filename(b), tensors, config=self.cfg, block_index=b,
-                                step=int(meta.get("step", 0)), samples_seen=int(meta.get("samples_seen", 0)))
-                got[b] = {"peer": a.peer_id, "step": int(meta.get("step", 0))}
-                break
-            else:
+            errors: list[str] = []
+            f = self.fetcher.fetch(b, [h for h in holders.get(b, []) if h.state == "online"], errors=errors,
+                                   timeout=timeout)
+            if f is None:
                 raise RuntimeError(f"block {b} has no live holder that delivered its state"
                                    + (f" ({'; '.join(errors)})" if errors else ""))
+            step = int(f.meta.get("step", 0))
+            ckpt.save_block(out / ckpt.block_filename(b), f.tensors, config=self.cfg, block_index=b, step=step,
+                            samples_seen=int(f.meta.get("samples_seen", 0)))
+            got[b] = {"peer": f.peer, "step": step}
         ckpt.save_config(out, self.cfg)
         return {"out": str(out), "blocks": got, "run_id": self.run_id, "config_hash": self.cfg.config_hash}
 

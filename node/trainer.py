@@ -1,11 +1,13 @@
 """Trains ONE block on this worker: its module, its optimizer, its data stream, nothing else.
 
-The trainer is shared by three threads (training loop, hop serving, averaging), so every read or
-write of the weights goes through ``self.lock``.
+The trainer is the only code that writes its block's weights: optimizer steps, an accepted
+averaging round (:meth:`apply_average`), a downloaded state (:meth:`adopt_parameters`,
+:meth:`load_state`) and a resumed checkpoint all go through it, under ``self.lock`` (the training
+loop, hop serving and averaging run in different threads).
 
 Objectives that ``needs_upstream`` (forward-chained) train block b on the outputs of blocks < b:
-the trainer then also keeps read-only snapshots of those blocks (``set_upstream``), which the node
-refreshes from their holders; it cannot train or judge a round until it has all of them.
+the trainer then reads them from an :class:`~blocktrain.node.upstream.UpstreamSnapshots` and
+cannot train or judge a round until it holds all of them (:meth:`ready`).
 """
 from __future__ import annotations
 
@@ -13,15 +15,16 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
-from ..blocks import checkpoint as ckpt
-from ..blocks.chain import HopRequest, HopResult
-from ..blocks.config import ModelConfig
-from ..blocks.data import WindowSampler, eval_windows
-from ..blocks.objectives import get_objective
-from ..blocks.train import make_optimizer, optimizer_step
+from blocktrain.blocks import checkpoint as ckpt
+from blocktrain.blocks.chain import HopRequest, HopResult
+from blocktrain.blocks.config import ModelConfig
+from blocktrain.blocks.data import WindowSampler, eval_windows
+from blocktrain.blocks.objectives import get_objective
+from blocktrain.blocks.train import make_optimizer, optimizer_step
 
 
 class UpstreamNotReady(RuntimeError):
@@ -31,7 +34,7 @@ class UpstreamNotReady(RuntimeError):
 class BlockTrainer:
     def __init__(self, cfg: ModelConfig, block_index: int, train_data, check_data, *,
                  device: torch.device | str = "cpu", seed: int = 0, worker_id: int = 0,
-                 check_windows: int = 4):
+                 check_windows: int = 4, upstream=None):
         self.cfg, self.block_index = cfg, block_index
         self.device = torch.device(device)
         self.objective = get_objective(cfg)
@@ -42,42 +45,29 @@ class BlockTrainer:
         self.gen = torch.Generator().manual_seed(seed * 7919 + worker_id)
         self._hop = self.objective.make_hop(self.module, block_index)
         self.check_windows = eval_windows(check_data, cfg.seq_len, check_windows).to(self.device)
+        self.upstream = upstream      # UpstreamSnapshots of blocks < b, or None
         self.lock = threading.RLock()
         self.step = 0
         self.samples_seen = 0
         self.samples_since_average = 0
         self.losses: deque[tuple[float, int, float]] = deque(maxlen=500)   # (time, step, loss)
         self._rate: deque[tuple[float, int]] = deque(maxlen=50)
-        n_up = block_index if self.objective.needs_upstream else 0
-        self.upstream: list[torch.nn.Module | None] = [None] * n_up
-        self.upstream_meta: list[dict | None] = [None] * n_up
 
-    # -- upstream snapshots (forward-chained) ---------------------------------------------------
-    def upstream_ready(self) -> bool:
-        return all(m is not None for m in self.upstream)
+    # -- readiness (forward-chained: snapshots of blocks < b) -------------------------------------
+    def ready(self) -> bool:
+        return self.upstream is None or self.upstream.ready()
 
-    def set_upstream(self, j: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """Install a read-only snapshot of block j < this block; refuses wrong or non-finite state
-        (and then keeps the previous snapshot)."""
-        if not 0 <= j < len(self.upstream):
-            raise ValueError(f"block {self.block_index} keeps no snapshot of block {j}")
-        if not all(bool(torch.isfinite(v).all()) for v in tensors.values()):
-            raise ValueError(f"the offered state of block {j} is not finite")
-        m = self.objective.build_block(j)
-        m.load_state_dict(tensors)   # refuses missing, unexpected or misshapen tensors
-        m = m.to(self.device).requires_grad_(False).eval()
-        with self.lock:
-            self.upstream[j] = m
-            self.upstream_meta[j] = {**meta, "fetched_at": time.time()}
+    def not_ready_reason(self) -> str:
+        return "waiting for snapshots of the upstream blocks (forward-chained)"
 
     def _upstream_arg(self) -> list[torch.nn.Module] | None:
-        if not self.objective.needs_upstream:
+        if self.upstream is None:
             return None
-        if not self.upstream_ready():
-            missing = [j for j, m in enumerate(self.upstream) if m is None]
+        mods = self.upstream.modules()
+        if mods is None:
             raise UpstreamNotReady(f"block {self.block_index} has no snapshot yet of upstream block(s) "
-                                   f"{', '.join(map(str, missing))}")
-        return list(self.upstream)
+                                   f"{', '.join(map(str, self.upstream.missing()))}")
+        return mods
 
     # -- training -------------------------------------------------------------------------------
     def train_step(self) -> dict:
@@ -120,22 +110,69 @@ class BlockTrainer:
         m.train(was)
         return float(loss)
 
-    # -- weights --------------------------------------------------------------------------------
-    def parameters(self) -> list[torch.Tensor]:
-        return [p for p in self.module.parameters()]
+    def check_loss_of(self, tensors: Sequence[torch.Tensor]) -> float:
+        """The check loss of this block with ``tensors`` as its parameters (in ``parameters()`` order)."""
+        probe = self.objective.build_block(self.block_index).to(self.device)
+        with torch.no_grad():
+            for p, x in zip(probe.parameters(), tensors):
+                p.copy_(x.to(p.device, p.dtype))
+        return self.check_loss(probe)
+
+    # -- weights: the one writer ----------------------------------------------------------------
+    def parameters_snapshot(self) -> list[torch.Tensor]:
+        with self.lock:
+            return [p.detach().to("cpu").clone() for p in self.module.parameters()]
+
+    def parameters_for_round(self) -> tuple[list[torch.Tensor], float, int]:
+        """(parameters, averaging weight = samples since the last round, step), read together."""
+        with self.lock:
+            return (self.parameters_snapshot(), float(max(1, self.samples_since_average)), self.step)
+
+    def apply_average(self, averaged: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor]) -> None:
+        """Add an accepted round's change (average - snapshot) to the live weights, keeping the steps
+        taken while the round ran."""
+        with self.lock:
+            for p, a, s in zip(self.module.parameters(), averaged, snapshot):
+                p.data.add_((a - s).to(p.device, p.dtype))
+            self.samples_since_average = 0
+
+    def check_parameters(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Raise ValueError unless ``tensors`` fit this block's parameters and are finite."""
+        params = list(self.module.parameters())
+        if len(tensors) != len(params) or any(t.shape != p.shape for t, p in zip(tensors, params)):
+            raise ValueError("a peer offered block state of the wrong shape; refusing it")
+        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+            raise ValueError("a peer offered non-finite block state; refusing it")
+
+    def adopt_parameters(self, tensors: Sequence[torch.Tensor], *, step: int, samples_seen: int) -> None:
+        """Replace the weights by a downloaded state (``check_parameters`` first)."""
+        with self.lock:
+            for p, t in zip(self.module.parameters(), tensors):
+                p.data.copy_(t.to(p.device, p.dtype))
+            self.step, self.samples_seen = step, samples_seen
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         with self.lock:
             return {k: v.detach().to("cpu").clone() for k, v in self.module.state_dict().items()}
 
-    def load_tensors(self, tensors: dict[str, torch.Tensor], *, step: int | None = None,
-                     samples_seen: int | None = None) -> None:
+    def load_state(self, tensors: dict[str, torch.Tensor], *, step: int, samples_seen: int) -> None:
+        """Replace the weights by a named state dict (strict: missing, extra or misshapen refused)."""
         with self.lock:
             self.module.load_state_dict({k: v.to(self.device) for k, v in tensors.items()})
-            if step is not None:
-                self.step = step
-            if samples_seen is not None:
-                self.samples_seen = samples_seen
+            self.step, self.samples_seen = step, samples_seen
+
+    def shared_state(self) -> tuple[dict, list[torch.Tensor]]:
+        """What averaging peers download from us: metadata and the parameters."""
+        with self.lock:
+            meta = {"step": self.step, "samples_seen": self.samples_seen, "config_hash": self.cfg.config_hash,
+                    "block_index": self.block_index}
+            return meta, self.parameters_snapshot()
+
+    def served_state(self) -> tuple[dict, dict[str, torch.Tensor]]:
+        """What the block-state RPC serves (late joiners, upstream snapshots, export)."""
+        with self.lock:
+            meta = {"step": self.step, "samples_seen": self.samples_seen, "config_hash": self.cfg.config_hash}
+            return meta, self.state_tensors()
 
     # -- serving --------------------------------------------------------------------------------
     def hop(self, req: HopRequest) -> HopResult:

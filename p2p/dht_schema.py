@@ -47,7 +47,6 @@ class AnnouncementSchema(pv1.BaseModel):
     throughput: _NONNEG_FLOAT
     loss: Optional[pv1.confloat(strict=True, ge=0.0, le=1e4, allow_inf_nan=False)] = None
     last_round_time: Optional[_NONNEG_FLOAT] = None
-    load: pv1.confloat(strict=True, ge=0.0, le=1.0, allow_inf_nan=False)
     serving: pv1.StrictBool
     addresses: pv1.conlist(_STR, max_items=8)
     software_version: pv1.constr(strict=True, max_length=64)

@@ -37,10 +37,6 @@ class ManifestConflictError(WireError):
     """Several manifests with different config hashes are published under one run id."""
 
 
-class MissingBlockError(WireError):
-    """No live holder serves a block, so no inference chain can be built."""
-
-
 class DiscoveryError(WireError):
     """The DHT could not be started, joined or queried."""
 

@@ -86,14 +86,13 @@ class BlockAnnouncement(_Record):
     throughput: float = Field(ge=0.0)  # samples/s
     loss: float | None = Field(default=None, ge=0.0, le=1e4)   # recent local training loss
     last_round_time: float | None = Field(default=None, ge=0.0)  # unix time of the last accepted averaging round
-    load: float = Field(ge=0.0, le=1.0)
     serving: bool
     addresses: list[str] = Field(default_factory=list, max_length=MAX_ADDRESSES)
     software_version: str = Field(max_length=64)
     config_hash: str = Field(pattern=CONFIG_HASH_RE)
     run_id: str
 
-    @field_validator("throughput", "load", "loss", "last_round_time")
+    @field_validator("throughput", "loss", "last_round_time")
     @classmethod
     def _finite(cls, v: float | None) -> float | None:
         if v is not None and not math.isfinite(v):

@@ -56,7 +56,9 @@ class HopClient:
 
     # -- forward hop ------------------------------------------------------------------------
     async def forward(self, peer_id: str | PeerID, request: HopRequest, timeout: float | None = None) -> HopResponse:
-        """Run one hop of ``request.block_index`` on ``peer_id``; the answer is validated against the request."""
+        """Run one hop of ``request.block_index`` on ``peer_id``. The answer is validated here, the one
+        place callers rely on: state of the request's shape and dtype, logits (N, T, V) when asked
+        for, both finite; anything else raises :class:`RemoteHopError` with code ``bad_response``."""
         t = self.default_timeout if timeout is None else timeout
         rid = request.request_id or uuid.uuid4().hex
         pbs = [encode_tensor(request.state), encode_tensor(request.context), encode_tensor(request.sigmas)]
@@ -153,6 +155,8 @@ class HopClient:
                     "bad_response", f"answer state is {tuple(state.shape)} {state.dtype}, "
                     f"expected {tuple(req.state.shape)} {req.state.dtype}"
                 )
+            if not bool(torch.isfinite(state).all()):
+                raise HopRequestError("bad_response", "answer state holds NaN or Inf")
             logits = None
             if req.want_logits:
                 if tensors[1].dtype not in STATE_DTYPES:
@@ -162,6 +166,8 @@ class HopClient:
                     raise HopRequestError(
                         "bad_response", f"logits shape {tuple(logits.shape)} does not match (N, T, V)"
                     )
+                if not bool(torch.isfinite(logits).all()):
+                    raise HopRequestError("bad_response", "answer logits hold NaN or Inf")
         except HopRequestError as e:
             raise RemoteHopError(peer, "bad_response", e.reason) from None
         return HopResponse(request_id=rid, state=state, logits=logits)

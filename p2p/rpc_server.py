@@ -28,7 +28,7 @@ from hivemind.proto import runtime_pb2
 
 from blocktrain.p2p.errors import HopRequestError
 from blocktrain.p2p.hops import (
-    WIRE_VERSION, HopLimits, check_hop_headers, check_hop_output, check_hop_values, check_state_header,
+    WIRE_VERSION, HopLimits, HopRequest, HopResponse, check_hop_headers, check_hop_output, check_hop_values, check_state_header,
     decode_meta, encode_meta, error_response, namespace, parse_request_meta,
 )
 from blocktrain.p2p.tensors import DEFAULT_CHUNK_BYTES, TensorAssembler, decode_tensor, encode_tensor, split_parts
@@ -38,7 +38,7 @@ __all__ = ["BlockService", "BlockRPCServer", "HopHandler", "StateProvider", "UNA
 
 logger = logging.getLogger(__name__)
 
-HopHandler = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]]
+HopHandler = Callable[[HopRequest], HopResponse]   # a decoded, validated request -> the answer
 StateProvider = Callable[[int], tuple[dict[str, Any], dict[str, torch.Tensor]]]
 UNARY_LIMIT_BYTES = 2_000_000  # hivemind's unary messages are capped at 4 MiB; stay well below
 DRAIN_TIMEOUT_S = 5.0
@@ -158,24 +158,22 @@ class BlockService(ServicerBase):
             pass
 
     async def _run_hop(self, rid: str, tensors: list[runtime_pb2.Tensor], want: bool) -> runtime_pb2.ExpertResponse:
-        state = decode_tensor(tensors[0], "state")
-        ctx = decode_tensor(tensors[1], "context")
-        sigmas = decode_tensor(tensors[2], "sigmas")
-        check_hop_values(ctx, sigmas, self.limits)
+        req = HopRequest(block_index=self.block_index, state=decode_tensor(tensors[0], "state"),
+                         context=decode_tensor(tensors[1], "context"), sigmas=decode_tensor(tensors[2], "sigmas"),
+                         want_logits=want, request_id=rid)
+        check_hop_values(req.context, req.sigmas, self.limits)
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.limits.max_inflight)
         async with self._sem:
             loop = asyncio.get_running_loop()
             try:
-                out, logits = await loop.run_in_executor(
-                    self._executor, self.hop_handler, self.block_index, state, ctx, sigmas, want
-                )
+                resp = await loop.run_in_executor(self._executor, self.hop_handler, req)
             except Exception as e:
                 raise HopRequestError("internal", f"hop handler failed: {type(e).__name__}: {e}") from e
-        check_hop_output(out, logits, state, want, self.limits.vocab_size)
-        pbs = [encode_tensor(out.to(state.dtype))]
+        check_hop_output(resp.state, resp.logits, req.state, want, self.limits.vocab_size)
+        pbs = [encode_tensor(resp.state.to(req.state.dtype))]
         if want:
-            pbs.append(encode_tensor(logits))
+            pbs.append(encode_tensor(resp.logits))
         self.traffic.call(ok=True)
         return runtime_pb2.ExpertResponse(metadata=_ok_meta(rid, has_logits=want), tensors=pbs)
 

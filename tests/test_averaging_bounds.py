@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from blocktrain.node.averaging.round import BlockAverager
+from blocktrain.node.averaging.rounds import BlockAverager
 from blocktrain.node.trainer import BlockTrainer
 
 from test_utils.configs import tiny_config
@@ -28,8 +28,8 @@ def test_a_round_gives_up_on_a_held_tensor_lock_in_bounded_time():
         avg = BlockAverager(disc.dht, BlockTrainer(tiny_config(), 0, DATA, DATA), "bounds",
                             peer_id=disc.peer_id, matchmaking_time=1.0, allreduce_timeout=2.0)
         try:
-            assert avg.averager._allreduce_timeout == 2.0    # hivemind itself ends a stuck all-reduce
-            lock = avg.averager.lock_averaged_tensors
+            assert avg.handle.averager._allreduce_timeout == 2.0    # hivemind itself ends a stuck all-reduce
+            lock = avg.handle.averager.lock_averaged_tensors
             assert lock.acquire(timeout=5)                   # as an all-reduce that never ends would
             out: dict = {}
             th = threading.Thread(target=lambda: out.update(v=avg.round()), daemon=True)

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("hivemind")
 
-from blocktrain.node.averaging.round import make_compression, patch_8bit_decoder  # noqa: E402
+from blocktrain.p2p.averager import make_compression, patch_8bit_decoder  # noqa: E402
 from blocktrain.bench.compression import butterfly_average, codec_round_trip  # noqa: E402
 
 

@@ -34,7 +34,7 @@ def keys(tmp_path_factory):
 
 def ann(peer_id: str, block: int = 1, **kw) -> BlockAnnouncement:
     base = dict(peer_id=peer_id, block_index=block, state="online", step=3, samples_seen=10, throughput=2.5,
-                load=0.5, serving=True, addresses=[], software_version="0.1", config_hash=HASH, run_id=RUN)
+                serving=True, addresses=[], software_version="0.1", config_hash=HASH, run_id=RUN)
     return BlockAnnouncement(**{**base, **kw})
 
 
@@ -54,7 +54,7 @@ def test_models_validate_and_round_trip(keys):
     x = ann(a.peer_id, throughput=3)  # an int is accepted and stored as float, as the DHT schema demands
     assert x.to_wire()["throughput"] == 3.0 and isinstance(x.to_wire()["throughput"], float)
     assert BlockAnnouncement.from_wire(x.to_wire()) == x
-    for bad in ({"load": 1.5}, {"state": "asleep"}, {"run_id": "bad run!"}, {"config_hash": "XYZ"},
+    for bad in ({"throughput": -1.0}, {"state": "asleep"}, {"run_id": "bad run!"}, {"config_hash": "XYZ"},
                 {"addresses": ["/ip4/1.2.3.4/tcp/1"] * 9}, {"throughput": float("inf")}):
         with pytest.raises(RecordError):
             BlockAnnouncement.from_wire({**x.to_wire(), **bad})
@@ -85,7 +85,7 @@ def test_forgery_under_someone_elses_subkey_is_rejected(keys):
 
 
 @pytest.mark.parametrize("change", [
-    {"block_index": "1"}, {"load": 7.0}, {"step": 1.0}, {"serving": 1}, {"state": "asleep"}, {"extra": 1},
+    {"block_index": "1"}, {"throughput": 7}, {"step": 1.0}, {"serving": 1}, {"state": "asleep"}, {"extra": 1},
     {"addresses": "not-a-list"}, {"config_hash": "nothex"},
 ])
 def test_schema_violating_values_are_rejected(keys, change):

@@ -3,8 +3,8 @@
 * block 0: ``n0`` (seed; the asker and the averaging victim) and ``nb`` (an honest replica),
 * block 0, private: ``p0`` and ``p1`` run with a run secret and an allowlist (each other and the
   test's "insider" client identity),
-* block 1: ``h1`` (honest, never trains, so routers rank it last) and two holders started with the
-  test knob ``BT_FAULT_INJECT``: ``fnan`` answers every hop with NaN, ``fshape`` with the wrong shape,
+* block 1: ``h1`` (honest, never trains) and two holders run through tests/test_utils/faulty_node.py:
+  ``fnan`` answers every hop with NaN, ``fshape`` with the wrong shape,
 * a hostile averaging process (tests/test_utils/hostile_averager.py) with fresh peer ids, pushing NaN, Inf,
   1000x-scaled and random weights into block 0's averaging rounds, plus two outsiders of the
   private group (one without the secret, one that has it but is not on the allowlist).
@@ -88,8 +88,8 @@ def net(tmp_path_factory):
                               secret_file=secret, secret_identities=(LEAKED,))
         nb = sw.join(0, ["--max-steps", "20"], name="nb")
         h1 = sw.join(1, ["--max-steps", "0"], name="h1")
-        fnan = sw.join(1, ["--max-steps", "20"], env={"BT_FAULT_INJECT": "nan_hops"}, name="fnan")
-        fshape = sw.join(1, ["--max-steps", "20"], env={"BT_FAULT_INJECT": "shape_hops"}, name="fshape")
+        fnan = sw.join(1, ["--max-steps", "20"], fault="nan_hops", name="fnan")
+        fshape = sw.join(1, ["--max-steps", "20"], fault="shape_hops", name="fshape")
         private = {}
         for name, other in (("p0", "p1"), ("p1", "p0")):
             private[name] = sw.join(0, ["--max-steps", "20", "--run-secret-file", str(secret), "--allow-peer",
@@ -114,10 +114,10 @@ def test_bad_hop_holders_are_dropped_and_requests_retried_elsewhere(net):
     n0, h1, fnan, fshape = net["n0"], net["h1"], net["fnan"], net["fshape"]
     bad = {fnan.info["peer_id"], fshape.info["peer_id"]}
 
-    def ranked_first():   # the faulty holders trained, so their announcements rank above h1's
-        hs = {h["peer_id"]: h for b in n0.get("/v1/status")["blocks"] if b["block"] == 1 for h in b["holders"]}
-        return len(hs) == 3 and all(hs[p]["throughput"] > 0 for p in bad)
-    wait_for(ranked_first, 60, "the faulty holders' throughput in their announcements")
+    def all_announced():
+        hs = {h["peer_id"] for b in n0.get("/v1/status")["blocks"] if b["block"] == 1 for h in b["holders"]}
+        return hs == bad | {h1.info["peer_id"]}
+    wait_for(all_announced, 60, "the three holders of block 1 in n0's view")
     results = []
     for i in range(8):
         r = n0.post("/v1/generate", {"prompt": f"Request {i}: ", "max_bytes": 8, "seed": i}, timeout=120)
@@ -125,13 +125,27 @@ def test_bad_hop_holders_are_dropped_and_requests_retried_elsewhere(net):
         results.append(r.json())
     routes = [out["route"][1]["peer"] for out in results]
     assert routes == [h1.info["peer_id"]] * len(results), routes          # never a faulty answer
-    assert results[0]["failovers"] == 2, results[0]                       # both faulty ones tried, then dropped
-    assert sum(out["failovers"] for out in results[1:]) == 0              # and banned from then on
+    failovers = [out["failovers"] for out in results]
+    assert sum(failovers) <= 2, failovers      # a faulty holder is tried at most once, then banned and ranked last
     assert all(len(out["text"]) > 0 for out in results)
     metrics = httpx.get(n0.url + "/metrics", timeout=30).text
     banned = float(next(ln.split()[1] for ln in metrics.splitlines() if ln.startswith("blocktrain_peers_banned_total")))
-    assert banned >= 2, metrics
-    report("hop_faults", requests=len(results), completed=len(results), failovers=[o["failovers"] for o in results],
+    assert banned >= sum(failovers), metrics
+    # a router that has measured nobody orders strangers at random: fresh clients until one meets a
+    # faulty holder first, and that request must still complete through h1 (P(8 misses) = 3^-8)
+    tried = sum(failovers)
+    for i in range(8):
+        if tried:
+            break
+        c = NetworkClient([net["sw"].seed_maddr], RUN)
+        try:
+            out = c.generate(f"Fresh {i}: ".encode(), 8, seed=i)
+        finally:
+            c.close()
+        assert out["route"][1]["peer"] == h1.info["peer_id"], out["route"]
+        tried += out["failovers"]
+    assert tried >= 1
+    report("hop_faults", requests=len(results), completed=len(results), failovers=failovers,
            faulty_holders=["nan_hops", "shape_hops"], peers_banned=banned)
 
 

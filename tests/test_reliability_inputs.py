@@ -71,17 +71,19 @@ class FakeBackend:
     def score(self, text, k):
         return {"ce": 1.0, "ce_kind": "exact", "bytes_scored": len(text), "k": k, "route": []}
 
-    def status(self):
-        return {"self": {"state": "online"}}
+    def snapshot(self):
+        from blocktrain.node.status import NodeStatus
+        averaging = {k: 0 for k in ("attempted", "succeeded", "rejected", "failed", "partial", "bytes_sent",
+                                    "bytes_received", "messages_sent", "messages_received")}
+        return NodeStatus(run={}, self={"state": "online", "step": 1, "samples_seen": 4, "throughput": 0.0,
+                                        "loss": None}, blocks=[], losses=[], averaging=averaging, chain_ce=[],
+                          errors=[])
 
     def average_now(self):
         return {"accepted": None, "reason": "no group formed"}
 
-    def held_out_ce(self):
+    def evaluate(self):
         return {"chain_ce": 1.0, "ce_kind": "exact", "k": 2, "tokens": 64, "route": []}
-
-    def metrics(self):
-        return {"step": 1.0}
 
     def __getattr__(self, name):   # endpoints added later: answer something plausible
         if name.startswith("_"):

@@ -18,7 +18,7 @@ detected; the margins bound how much each accepted round can move the weights.
 
 Before that, ``check_group`` vets who was in the group (every member's gathered metadata agrees
 on config and tensor layout and names the member's own peer id, no member is banned, and in a
-private run every member is allowed). ``PeerBans`` keeps the averaging ban list.
+private run every member is allowed). Bans themselves live in ``node/routing/bans.py``.
 
 Attribution limit: an all-reduce result is the weighted mean of every member's tensors, and a
 member only sees the mean, so a poisoned round cannot be pinned on one member of a group of 3+
@@ -31,8 +31,6 @@ clears its strikes the next time it is in an accepted round, while a repeat offe
 from __future__ import annotations
 
 import math
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -117,54 +115,6 @@ def check_group(gathered: Mapping[str, Any], *, self_peer: str, config_hash: str
         return Verdict(False, "group members disagree on config or tensor layout, or forge their peer id: "
                               + ", ".join(sorted(wrong)), offenders=tuple(sorted(wrong)))
     return None
-
-
-class PeerBans:
-    """Averaging bans keyed by peer id, with strikes that double a repeat offender's ban."""
-
-    def __init__(self, ban_seconds: float = 60.0, collateral_seconds: float = 15.0, max_seconds: float = 3600.0):
-        self.ban_seconds, self.collateral_seconds, self.max_seconds = ban_seconds, collateral_seconds, max_seconds
-        self._until: dict[str, float] = {}
-        self._strikes: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self.total = 0                      # bans issued (a peer banned twice counts twice)
-        self.log: list[tuple[float, str, float, str]] = []   # (time, peer, seconds, reason), last 100
-
-    def strike(self, peers: Sequence[str], reason: str, *, attributable: bool) -> None:
-        now = time.monotonic()
-        with self._lock:
-            for p in peers:
-                n = self._strikes.get(p, 0) + 1
-                self._strikes[p] = n
-                base = self.ban_seconds if attributable else self.collateral_seconds
-                secs = min(self.max_seconds, base * 2 ** (n - 1))
-                self._until[p] = max(self._until.get(p, 0.0), now + secs)
-                self.total += 1
-                self.log.append((time.time(), p, secs, reason))
-            del self.log[:-100]
-
-    def forgive(self, peers: Sequence[str]) -> None:
-        """Peers just seen in an accepted round lose their strikes (not a running ban)."""
-        with self._lock:
-            for p in peers:
-                self._strikes.pop(p, None)
-
-    def is_banned(self, peer: str) -> bool:
-        with self._lock:
-            t = self._until.get(peer)
-            if t is None:
-                return False
-            if t <= time.monotonic():
-                del self._until[peer]
-                return False
-            return True
-
-    def banned(self) -> set[str]:
-        now = time.monotonic()
-        with self._lock:
-            for p in [p for p, t in self._until.items() if t <= now]:
-                del self._until[p]
-            return set(self._until)
 
 
 # -- did the all-reduce average everything? ------------------------------------------------------

@@ -59,13 +59,13 @@ class ScoreResponse(BaseModel):
 
 
 class ApiBackend(Protocol):
+    """What the API asks of the node (``node.Node`` is one)."""
     def generate(self, prompt: bytes, max_bytes: int, mode: str, seed: int | None,
                  temperature: float) -> dict: ...
     def score(self, text: bytes, k: int) -> dict: ...
-    def status(self) -> dict: ...
+    def evaluate(self) -> dict: ...
     def average_now(self) -> dict: ...
-    def held_out_ce(self) -> dict: ...
-    def metrics(self) -> dict[str, float]: ...
+    def snapshot(self): ...   # a NodeStatus: .to_dict() for /v1/status, .metrics() for /metrics
 
 
 class RequestRefused(Exception):
@@ -192,7 +192,7 @@ def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: floa
 
     @app.post("/v1/eval", summary="Measure held-out chain CE through the network now")
     def evaluate():
-        return run_heavy(backend.held_out_ce)
+        return run_heavy(backend.evaluate)
 
     @app.post("/v1/average", summary="Run one averaging round with same-block peers now")
     def average():
@@ -200,11 +200,11 @@ def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: floa
 
     @app.get("/v1/status", summary="Run, blocks, holders, steps, losses, averaging rounds")
     def status():
-        return backend.status()
+        return backend.snapshot().to_dict()
 
     @app.get("/metrics", response_class=PlainTextResponse, summary="Prometheus metrics")
     def metrics():
-        values = {**backend.metrics(), **{f"http_{k}_total": float(v) for k, v in counters.items()}}
+        values = {**backend.snapshot().metrics(), **{f"http_{k}_total": float(v) for k, v in counters.items()}}
         lines = []
         for name, v in sorted(values.items()):
             lines.append(f"# TYPE blocktrain_{name} {'counter' if name.endswith('_total') else 'gauge'}")

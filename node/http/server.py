@@ -1,4 +1,4 @@
-"""Runs the FastAPI app with uvicorn in a background thread of the node."""
+"""Runs the FastAPI app (``api.py``) with uvicorn in a background thread of the node."""
 from __future__ import annotations
 
 import threading

@@ -33,6 +33,7 @@ class NodeProc:
     proc: subprocess.Popen | None = None
     info: dict = field(default_factory=dict)
     threads: int = 1
+    entry: list[str] | None = None     # the program to run instead of ``python -m blocktrain.cli.main``
 
     @property
     def ready_file(self) -> Path:
@@ -55,7 +56,7 @@ class NodeProc:
         self.ready_file.unlink(missing_ok=True)
         log = open(self.log_file, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "blocktrain.cli.main", *self.args, "--ready-file", str(self.ready_file),
+            [*(self.entry or [sys.executable, "-m", "blocktrain.cli.main"]), *self.args, "--ready-file", str(self.ready_file),
              "--quiet", "--http-port", str(self.http_port), "--checkpoint-dir", str(self.workdir / "ckpt")],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             env={**self.thread_env(), **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})

@@ -48,7 +48,7 @@ class Hostile:
         # hivemind names the averager's RPC protocols after the servicer class, so a peer must use
         # a class of the same name to be understood at all; with no trainer and no policy set,
         # this class is plain hivemind (no acceptance checks, no bans: nothing guards this peer)
-        from blocktrain.node.averaging.round import _BlockStateAverager as DecentralizedAverager
+        from blocktrain.p2p.averager import BlockStateAverager as DecentralizedAverager
         from blocktrain.p2p.discovery import Discovery
 
         self.args = args

@@ -52,15 +52,18 @@ def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float
 
 
 class RelSwarm(LocalSwarm):
-    """LocalSwarm whose joiners can get extra environment (fault injection) and a fixed workdir."""
+    """LocalSwarm whose joiners can get extra environment, a faulty hop handler, and a fixed workdir."""
 
     def join(self, block: int | None, args: list[str] = (), *, env: dict | None = None, name: str | None = None,
-             wait: bool = False) -> NodeProc:
+             wait: bool = False, fault: str | None = None) -> NodeProc:
+        """``fault``: run the node through tests/test_utils/faulty_node.py, answering every hop with
+        that poison (nan_hops, inf_hops, shape_hops)."""
         name = name or f"node{len(self.nodes)}"
         a = ["join", "--initial-peers", self.seed_maddr, "--run-id", self.run_id, *self.extra, *args]
         if block is not None:
             a += ["--block", str(block)]
-        n = NodeProc(name, a, self.base / name, free_port())
+        n = NodeProc(name, a, self.base / name, free_port(),
+                     entry=[sys.executable, str(HERE / "faulty_node.py"), fault] if fault else None)
         n.env = env or {}
         self.nodes.append(n)
         n.start(env=n.env)

@@ -33,21 +33,20 @@ from hivemind.utils.serializer import MSGPackSerializer
 from blocktrain.p2p.aioloop import LoopThread
 from blocktrain.p2p.dht_schema import blocks_key, parse_block_subkey
 from blocktrain.p2p.discovery import Discovery
-from blocktrain.p2p.hops import HopLimits
+from blocktrain.p2p.hops import HopLimits, HopRequest, HopResponse
 from blocktrain.p2p.identity import NodeIdentity
 from blocktrain.p2p.records import BlockAnnouncement, RunManifest
 from blocktrain.p2p.rpc_server import BlockRPCServer
 
 
-def hop_handler(block: int, state: torch.Tensor, context: torch.Tensor, sigmas: torch.Tensor, want_logits: bool,
-                vocab: int = 256) -> tuple[torch.Tensor, torch.Tensor | None]:
-    sigma = sigmas.reshape(-1, 2)[:, 0].to(torch.float32)
+def hop_handler(req: HopRequest, vocab: int = 256) -> HopResponse:
+    sigma = req.sigmas.reshape(-1, 2)[:, 0].to(torch.float32)
     if float(sigma.max()) >= 1000:
         time.sleep(min(10.0, float(sigma.max()) - 1000))
-    n = state.shape[0]
-    out = state.float() * 0.5 + sigma.expand(n).reshape(n, 1, 1)
-    logits = torch.nn.functional.one_hot(context.long(), vocab).float() if want_logits else None
-    return out.to(state.dtype), logits
+    n = req.state.shape[0]
+    out = req.state.float() * 0.5 + sigma.expand(n).reshape(n, 1, 1)
+    logits = torch.nn.functional.one_hot(req.context.long(), vocab).float() if req.want_logits else None
+    return HopResponse(req.request_id, out.to(req.state.dtype), logits)
 
 
 async def _local_entries(_dht: DHT, node: DHTNode, key: str) -> list[dict[str, Any]]:
@@ -86,7 +85,7 @@ class ControlledNode:
             )
             self.server = BlockRPCServer(
                 p2p, args.run_id, limits,
-                lambda b, s, c, g, w: hop_handler(b, s, c, g, w, args.vocab),
+                lambda req: hop_handler(req, args.vocab),
                 lambda b: ({"block": b, "step": 7}, {"weight": torch.arange(args.state_floats, dtype=torch.float32),
                                                       "bias": torch.ones(3)}),
             )
@@ -97,7 +96,7 @@ class ControlledNode:
         return BlockAnnouncement(
             peer_id=c.get("peer_id", self.disc.peer_id), block_index=c["block_index"], state=c.get("state", "online"),
             step=c.get("step", 0), samples_seen=c.get("samples_seen", 0), throughput=c.get("throughput", 1.0),
-            load=c.get("load", 0.0), serving=c.get("serving", True), addresses=self.disc.visible_maddrs(),
+            serving=c.get("serving", True), addresses=self.disc.visible_maddrs(),
             software_version="test", config_hash=c["config_hash"], run_id=c.get("run_id", self.args.run_id),
         )
 
@@ -131,10 +130,6 @@ class ControlledNode:
             h = self.disc.list_holders(run, c.get("config_hash"))
             return {str(b): [{"peer_id": a.peer_id, "step": a.step, "state": a.state} for a in anns]
                     for b, anns in h.items()}
-        if cmd == "build_chain":
-            plan = self.disc.build_chain(run, c["n_blocks"], exclude=set(c.get("exclude", [])),
-                                         config_hash=c.get("config_hash"))
-            return [[h.primary.peer_id, [a.peer_id for a in h.alternates]] for h in plan.hops]
         if cmd == "local_entries":
             return self.disc.dht.run_coroutine(partial(_local_entries, key=blocks_key(run)))
         if cmd == "fetched_entries":  # what a DHT lookup returns before readers interpret it

@@ -172,7 +172,7 @@ def rogue_main(argv: list[str]) -> None:
     try:
         victim_marker = b"[owner:" + a.victim_public_key.encode() + b"]"
         base = dict(peer_id=a.victim_peer_id, block_index=0, state="online", step=999, samples_seen=0,
-                    throughput=1.0, loss=None, last_round_time=None, load=0.0, serving=True, addresses=[],
+                    throughput=1.0, loss=None, last_round_time=None, serving=True, addresses=[],
                     software_version="rogue",
                     config_hash=a.config_hash, run_id=a.run_id)
         exp = get_dht_time() + 60
@@ -180,7 +180,7 @@ def rogue_main(argv: list[str]) -> None:
         dht.get(k, latest=True)   # a lookup first, so the routing table knows the honest nodes
         results = {
             "forge": dht.store(k, base, exp, subkey=b"0" + victim_marker),
-            "invalid": dht.store(k, {**base, "block_index": "4", "load": 7.0}, exp, subkey=b"4" + owner_marker(key)),
+            "invalid": dht.store(k, {**base, "block_index": "4", "throughput": 7}, exp, subkey=b"4" + owner_marker(key)),
         }
         # a record valid as a record (every field of an announcement, signed by the key it names)
         results["impersonate"] = dht.store(k, {**base, "block_index": 5}, exp, subkey=b"5" + owner_marker(key))

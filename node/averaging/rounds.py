@@ -1,0 +1,168 @@
+"""Gossip averaging of same-block replicas: the round policy (hivemind stays behind p2p/averager.py).
+
+No coordinator: replicas of block b of run R meet under the DHT prefix ``{R}_block{b}`` every
+few local steps, all-reduce their parameters weighted by samples since the last round, and each
+one accepts the result only after robust checks (``acceptance.py``). Training never waits on a
+round: rounds run in their own thread, and the accepted *change* (average - snapshot) is handed to
+the trainer, which adds it to the live weights, so steps taken during the round are kept. The
+averager also serves the block's current state to late joiners (:meth:`download_state`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from blocktrain.node.averaging.acceptance import (AcceptancePolicy, Verdict, check_group, judge,
+                                                  round_completeness, weight_sketch)
+from blocktrain.node.routing.bans import PeerBans
+from blocktrain.node.trainer import BlockTrainer
+from blocktrain.p2p.averager import BlockAveragerHandle, RoundFailed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AveragingStats:
+    attempted: int = 0
+    succeeded: int = 0
+    rejected: int = 0
+    failed: int = 0
+    partial: int = 0          # accepted rounds whose result moved < 90 % of the way to the group's mean
+    last_completeness: float | None = None
+    last_round_time: float | None = None
+    last_accepted_time: float | None = None
+    last_group_size: int = 0
+    last_verdict: str = ""
+    last_failure: str = ""    # why the last round that formed no usable group failed
+    history: list = field(default_factory=list)   # (time, group size, accepted, reason)
+    compression: str = "fp32"
+
+
+class BlockAverager:
+    def __init__(self, dht, trainer: BlockTrainer, run_id: str, *, peer_id: str = "",
+                 policy: AcceptancePolicy | None = None, compression: str = "fp32",
+                 authorize: Callable[[str], bool] | None = None, prefix: str | None = None,
+                 bans: PeerBans | None = None, **handle_kw):
+        self.trainer, self.run_id, self.peer_id = trainer, run_id, peer_id
+        self.policy = policy or AcceptancePolicy()
+        self.stats = AveragingStats(compression=compression)
+        self.round_no = 0
+        self.prefix = prefix or f"{run_id}_block{trainer.block_index}"
+        self.authorize = authorize          # private runs: may this peer average with us?
+        self.bans = bans or PeerBans()      # peers blamed for rejected rounds (see acceptance.py)
+        self.handle = BlockAveragerHandle(dht, trainer.parameters_snapshot(), prefix=self.prefix,
+                                          compression=compression, state=trainer.shared_state,
+                                          authorize=authorize, **handle_kw)
+        self._lock = threading.Lock()
+        self.cancel_event = threading.Event()
+
+    def traffic(self) -> dict:
+        return self.handle.traffic()
+
+    # -- late joiners -----------------------------------------------------------------------------
+    def download_state(self, timeout: float = 30.0) -> dict | None:
+        """Adopt the block's current state from a live holder; returns its metadata, or None if no
+        holder answered. Raises ValueError for an offer that fails the checks (nothing adopted)."""
+        got = self.handle.download_state(timeout=timeout)
+        if got is None:
+            return None
+        meta, tensors = got
+        t = self.trainer
+        if meta.get("config_hash") != t.cfg.config_hash:
+            raise ValueError("a peer offered state for a different config; refusing it")
+        t.check_parameters(tensors)
+        fresh, offered = t.check_loss(), t.check_loss_of(tensors)
+        if not offered < fresh + self.policy.max_loss_increase:   # NaN fails too
+            raise ValueError(f"a peer offered block state whose held-out check loss ({offered:.3f}) is worse "
+                             f"than this block's own ({fresh:.3f}); refusing it")
+        t.adopt_parameters(tensors, step=int(meta.get("step", 0)), samples_seen=int(meta.get("samples_seen", 0)))
+        return meta
+
+    # -- one round --------------------------------------------------------------------------------
+    def round(self) -> Verdict | None:
+        """Run one averaging round now (blocking this thread). None if no group formed."""
+        with self._lock:
+            return self._round()
+
+    def _round(self) -> Verdict | None:
+        t = self.trainer
+        self.round_no += 1
+        self.stats.attempted += 1
+        if not t.ready():   # e.g. forward-chained without snapshots of blocks < b: cannot judge a round
+            return self._failed(t.not_ready_reason())
+        snapshot, weight, step = t.parameters_for_round()
+        stamp = {"round": self.round_no, "step": step, "peer": self.peer_id,
+                 "config_hash": t.cfg.config_hash, "n_tensors": len(snapshot),
+                 "weight": weight, "sketch": weight_sketch(snapshot)}
+        try:
+            res = self.handle.round(snapshot, weight=weight, gather=stamp, refused=self.bans.banned(),
+                                    cancel=self.cancel_event)
+        except RoundFailed as e:
+            if e.refused:   # we left a group holding banned peers
+                return self._record(Verdict(False, e.reason), 0)
+            return self._failed(e.reason)
+        gathered = res.gathered
+        others = [p for p in gathered if p != self.peer_id]
+        verdict = check_group(gathered, self_peer=self.peer_id, config_hash=t.cfg.config_hash,
+                              n_tensors=len(snapshot), authorize=self.authorize, banned=self.bans.is_banned)
+        if verdict is not None:
+            self.bans.strike(verdict.offenders, verdict.reason, attributable=True)
+        else:
+            verdict = judge(snapshot, res.averaged, self.policy, t.check_loss_of)
+            if verdict.accepted:
+                self.bans.forgive(others)
+            else:   # the mean cannot be pinned on one member: blame every other member (acceptance.py)
+                verdict = dataclasses.replace(verdict, offenders=tuple(sorted(others)))
+                self.bans.strike(others, verdict.reason, attributable=len(others) == 1)
+        self._record(verdict, len(gathered))
+        if not verdict.accepted:
+            log.warning("rejected averaging round %d: %s", self.round_no, verdict.reason)
+            return verdict
+        t.apply_average(res.averaged, snapshot)
+        self.stats.succeeded += 1
+        self._note_completeness(gathered, stamp, res.averaged)
+        self.stats.last_accepted_time = time.time()
+        return verdict
+
+    def _record(self, verdict: Verdict, group_size: int) -> Verdict:
+        s = self.stats
+        if group_size:
+            s.last_group_size = group_size
+            s.last_round_time = time.time()
+        if not verdict.accepted:
+            s.rejected += 1
+        s.last_verdict = verdict.reason
+        s.history.append((time.time(), group_size, verdict.accepted, verdict.reason))
+        del s.history[:-100]
+        return verdict
+
+    def _failed(self, why: str) -> None:
+        self.stats.failed += 1
+        self.stats.last_failure = why[:300]
+
+    def _note_completeness(self, gathered: dict, stamp: dict, averaged) -> None:
+        """Diagnostics only: did the all-reduce average every part? (members' claims are not trusted
+        for acceptance; a member that lies here only skews this counter)."""
+        try:
+            members = [(float(g["weight"]), [float(x) for x in g["sketch"]]) for g in gathered.values()]
+            if any(len(s) != len(stamp["sketch"]) or not all(map(math.isfinite, [w, *s])) for w, s in members):
+                return   # a member sent no usable sketch (an older node, or garbage)
+            c = round_completeness(stamp["sketch"], weight_sketch(averaged), members)
+        except (KeyError, TypeError, ValueError):
+            return
+        if c is not None and not math.isfinite(c):
+            return
+        self.stats.last_completeness = c
+        if c is not None and c < 0.9:
+            self.stats.partial += 1
+            log.info("averaging round %d was partial: moved %.0f %% of the way to the group's mean",
+                     self.round_no, 100 * c)
+
+    def shutdown(self) -> None:
+        self.cancel_event.set()
+        self.handle.shutdown()

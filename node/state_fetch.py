@@ -1,0 +1,78 @@
+"""One way to fetch a block's current state from the network: late join, upstream snapshots, export.
+
+:meth:`StateFetcher.fetch` asks a block's live holders, best first by this node's own
+measurements (``routing/ranking.py``; among peers never measured, the one claiming the most
+steps first), downloads the state over the block RPC, and keeps the first offer that passes
+:meth:`build_checked` (every tensor finite, and the state loads strictly into a fresh block: no
+missing, extra or misshapen tensor). A holder that fails is recorded as such and the next one is
+asked. Callers add their own judgement on top (a late joiner also compares check losses).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from blocktrain.node.routing.ranking import HolderRanking
+from blocktrain.p2p.records import BlockAnnouncement
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Fetched:
+    peer: str
+    meta: dict
+    tensors: dict[str, torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for v in self.tensors.values())
+
+
+class StateFetcher:
+    def __init__(self, client, objective, *, ranking: HolderRanking | None = None, self_peer: str = "",
+                 timeout: float = 30.0):
+        self.client, self.objective = client, objective
+        self.ranking = ranking or HolderRanking()
+        self.self_peer, self.timeout = self_peer, timeout
+
+    @staticmethod
+    def build_checked(objective, b: int, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """A fresh block b holding ``tensors``; ValueError if any is non-finite or does not fit."""
+        if not all(bool(torch.isfinite(v).all()) for v in tensors.values()):
+            raise ValueError(f"the offered state of block {b} is not finite")
+        m = objective.build_block(b)
+        try:
+            m.load_state_dict(tensors)   # strict: refuses missing, unexpected or misshapen tensors
+        except RuntimeError as e:
+            raise ValueError(f"the offered state of block {b} does not fit: {e}") from None
+        return m
+
+    def order(self, holders: Sequence[BlockAnnouncement]) -> list[str]:
+        live = [a for a in holders if a.is_live and a.peer_id != self.self_peer]
+        claimed = {a.peer_id: a.step for a in live}
+        by_claim = sorted(claimed, key=lambda p: -claimed[p])   # a stable sort keeps this among equals
+        cost = {p: self.ranking.cost(p) for p in by_claim}
+        return sorted(by_claim, key=lambda p: cost[p])
+
+    def fetch(self, b: int, holders: Sequence[BlockAnnouncement], *, errors: list[str] | None = None,
+              timeout: float | None = None) -> Fetched | None:
+        """The first checked state of block ``b`` its holders deliver, or None (reasons in ``errors``)."""
+        for peer in self.order(holders):
+            t0 = time.perf_counter()
+            try:
+                meta, tensors = self.client.get_block_state_sync(peer, b, timeout=timeout or self.timeout)
+                self.build_checked(self.objective, b, tensors)
+            except Exception as e:  # a holder that left or sent junk: try the next one
+                self.ranking.record_failure(peer, str(e))
+                if errors is not None:
+                    errors.append(f"state of block {b} from {peer}: {type(e).__name__}: {e}")
+                    del errors[:-50]
+                continue
+            self.ranking.record_success(peer, time.perf_counter() - t0)
+            return Fetched(peer, meta, tensors)
+        return None

@@ -1,0 +1,274 @@
+"""The hivemind seam for gossip averaging: one block's tensors behind a small handle.
+
+:class:`BlockAveragerHandle` owns a ``DecentralizedAverager`` (a child process of hivemind's) for
+one block's parameters: matchmaking under a DHT prefix, all-reduce with compression, state
+sharing for late joiners. Everything hivemind-specific lives here: the subclass and its patches
+(traffic counters, the NumPy-2 fix of the 8-bit decoder, refusal of banned or not-allowed peers
+before any tensor moves) and the bounded waits. Callers (the node's round policy) see plain
+tensors in and out: :meth:`round` returns what the group gathered and the averaged tensors, or
+raises :class:`RoundFailed` saying why; nothing here decides whether a result is accepted.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable  # hivemind reads the rpc_* handlers' type hints
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+
+__all__ = ["BlockAveragerHandle", "RoundFailed", "RoundResult", "COMPRESSIONS", "make_compression",
+           "patch_8bit_decoder"]
+
+log = logging.getLogger(__name__)
+# "could not find a group" is the normal outcome of a round with no same-block peer online;
+# hivemind logs it as an error with a traceback. The node's own stats and log lines report rounds.
+logging.getLogger("hivemind.averaging.averager").setLevel(logging.CRITICAL)
+
+# what the all-reduce puts on the wire for each tensor part
+COMPRESSIONS = ("fp32", "fp16", "8bit")
+REFUSED_GROUP = "refused to average with banned or not-allowed peer(s):"
+
+StateProvider = Callable[[], tuple[dict, list[torch.Tensor]]]
+
+
+def make_compression(name: str):
+    """hivemind compression for ``fp32`` (none), ``fp16`` (half floats) or ``8bit`` (uniform 8-bit
+    quantization over +-6 sigma of each part, with a 256-entry float32 codebook per part)."""
+    from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
+    table = {"fp32": NoCompression, "fp16": Float16Compression, "8bit": Uniform8BitQuantization}
+    if name not in table:
+        raise ValueError(f"averaging compression must be one of {', '.join(COMPRESSIONS)}, got {name!r}")
+    return table[name]()
+
+
+# Traffic counters shared with the averager's child process: bytes sent, bytes received,
+# messages sent, messages received (serialized protobuf sizes of every libp2p stream message).
+_SENT, _RECV, _MSENT, _MRECV = range(4)
+
+
+def _count_stream_messages(counters) -> None:
+    """In the averager's own process: count every protobuf message hivemind writes to or reads from
+    a libp2p stream (matchmaking, all-reduce parts, state downloads). All of hivemind's stream I/O
+    goes through ``P2P.send_protobuf`` / ``P2P.receive_protobuf``; patching them here touches only
+    this child process, whose only p2p traffic is the averager's."""
+    from hivemind.p2p import P2P
+    send, receive = P2P.send_protobuf, P2P.receive_protobuf
+
+    async def counted_send(protobuf, writer):
+        await send(protobuf, writer)
+        counters[_SENT] += protobuf.ByteSize()
+        counters[_MSENT] += 1
+
+    async def counted_receive(input_protobuf_type, reader):
+        msg, err = await receive(input_protobuf_type, reader)
+        got = msg if msg is not None else err
+        if got is not None:
+            counters[_RECV] += got.ByteSize()
+            counters[_MRECV] += 1
+        return msg, err
+
+    P2P.send_protobuf = staticmethod(counted_send)
+    P2P.receive_protobuf = staticmethod(counted_receive)
+
+
+def patch_8bit_decoder() -> None:
+    """hivemind 1.1.12 reads an 8-bit part's codebook size with ``int()`` of a 1-element array, which
+    NumPy 2 refuses: every 8-bit part then fails to decode and the round silently averages nothing.
+    Same decoding, reading the size as a scalar (in the averager's process only)."""
+    import numpy as np
+    from hivemind.compression.quantization import Quantization
+
+    def extract(self, serialized_tensor):
+        buf = serialized_tensor.buffer
+        codebook_size = int(np.frombuffer(buf, count=1, dtype=np.int64)[0])
+        codebook = np.frombuffer(buf, offset=8, count=codebook_size, dtype=self.codebook_dtype)
+        quantized = np.frombuffer(buf, offset=8 + codebook.nbytes, dtype=self.indices_dtype)
+        quantized = torch.from_numpy(quantized.astype(np.int64)).reshape(tuple(serialized_tensor.size))
+        codebook = torch.from_numpy(codebook.copy()).to(dtype=getattr(torch, serialized_tensor.dtype))
+        return codebook[quantized].requires_grad_(serialized_tensor.requires_grad)
+
+    Quantization.extract = extract
+
+
+class BlockStateAverager(DecentralizedAverager):
+    """hivemind's averager with BlockTrain's additions. Set the ``bt_*`` attributes before starting it.
+
+    * ``bt_state``: callable returning ``(metadata, tensors)`` of the live block, served to late
+      joiners (runs in the host process: hivemind asks the host for the current state).
+    * ``bt_authorize``: callable(peer id) -> bool for private runs.
+    * ``bt_counters``: shared traffic counters (``mp.RawArray("q", 4)``).
+    Peers refused by the host (``set_refused``) or not authorized cannot join our group, download
+    our state, or stay in a group we are in: we leave before any tensor part moves.
+    """
+
+    bt_state: StateProvider | None = None
+    bt_authorize: Callable[[str], bool] | None = None
+    bt_counters = None
+    _bt_refused: frozenset = frozenset()
+
+    def run(self):   # in the averager's child process
+        if self.bt_counters is not None:
+            _count_stream_messages(self.bt_counters)
+        patch_8bit_decoder()
+        super().run()
+
+    def get_current_state(self):
+        if self.bt_state is None:
+            return super().get_current_state()
+        meta, tensors = self.bt_state()
+        return meta, tensors, self.tensor_infos
+
+    def set_refused(self, peers) -> None:   # host side: hand the current ban list to the child
+        self._outer_pipe.send(("_bt_set_refused", [sorted(str(p) for p in peers)], {}))
+
+    async def _bt_set_refused(self, peers) -> None:
+        self._bt_refused = frozenset(peers)
+
+    def _bt_member_ok(self, peer) -> bool:
+        p = str(peer)
+        return p not in self._bt_refused and (self.bt_authorize is None or bool(self.bt_authorize(p)))
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not self._bt_member_ok(context.remote_id):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_download_state(self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if self.bt_authorize is not None and not self.bt_authorize(str(_context.remote_id)):
+            return   # an empty answer: the caller moves on to the next peer
+        async for message in super().rpc_download_state(_request, _context):
+            yield message
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
+        refused = [str(p) for p in group_info.peer_ids if p != self.peer_id and not self._bt_member_ok(p)]
+        if refused:   # leave before sending or receiving any tensor part
+            raise MatchmakingException(f"{REFUSED_GROUP} {', '.join(refused)}")
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+
+class RoundFailed(Exception):
+    """No usable all-reduce: ``refused`` is True when we left a group holding refused peers."""
+
+    def __init__(self, reason: str, *, refused: bool = False):
+        super().__init__(reason)
+        self.reason, self.refused = reason, refused
+
+
+@dataclass
+class RoundResult:
+    gathered: dict[str, Any]          # peer id -> the metadata that member gathered (ours included)
+    averaged: list[torch.Tensor]      # the all-reduce result, copied out of the averager's buffers
+
+
+class BlockAveragerHandle:
+    """One block's averager process, driven from the host with bounded waits.
+
+    ``matchmaking_time``: the window in which a group forms; ``round_timeout``: matchmaking gives
+    up after it; ``allreduce_timeout``: the all-reduce itself, whatever members do (hivemind's
+    default, None, lets a round with a dead member hold the averaged tensors' lock for ever).
+    """
+
+    def __init__(self, dht, tensors: list[torch.Tensor], *, prefix: str, compression: str = "fp32",
+                 state: StateProvider | None = None, authorize: Callable[[str], bool] | None = None,
+                 target_group_size: int = 4, matchmaking_time: float = 3.0, round_timeout: float = 20.0,
+                 allreduce_timeout: float = 30.0, start_timeout: float = 60.0):
+        self.prefix, self.compression = prefix, compression
+        self.round_timeout, self.allreduce_timeout = round_timeout, allreduce_timeout
+        self.averager = BlockStateAverager(
+            averaged_tensors=[t.detach().to("cpu").clone() for t in tensors], dht=dht, start=False,
+            prefix=prefix, target_group_size=target_group_size, min_group_size=2,
+            min_matchmaking_time=matchmaking_time, request_timeout=max(1.0, matchmaking_time / 2),
+            compression=make_compression(compression), allow_state_sharing=True, next_chunk_timeout=10.0,
+            sender_timeout=5.0, reducer_timeout=10.0, allreduce_timeout=allreduce_timeout)
+        self.averager.bt_state = state
+        self.averager.bt_authorize = authorize
+        self.counters = self.averager.bt_counters = mp.RawArray("q", 4)
+        self.averager.run_in_background(await_ready=True, timeout=start_timeout)
+
+    @property
+    def peer_id(self) -> str:
+        return str(self.averager.peer_id)
+
+    def traffic(self) -> dict[str, int]:
+        """What the averager's process put on / took off libp2p streams so far: serialized protobuf
+        bytes and messages (matchmaking, all-reduce, state sharing; not DHT records, not libp2p's own
+        framing and encryption)."""
+        c = self.counters
+        return {"bytes_sent": int(c[_SENT]), "bytes_received": int(c[_RECV]),
+                "messages_sent": int(c[_MSENT]), "messages_received": int(c[_MRECV])}
+
+    def round(self, tensors: list[torch.Tensor], *, weight: float, gather: dict, refused=(),
+              cancel: threading.Event | None = None) -> RoundResult:
+        """All-reduce ``tensors`` (weighted by ``weight``) with whatever group forms; bounded in time."""
+        self._write(tensors)
+        error: BaseException | None = None
+        gathered = None
+        try:
+            self.averager.set_refused(refused)
+            control = self.averager.step(gather=gather, weight=weight, timeout=self.round_timeout,
+                                         allow_retries=False, wait=False)
+            deadline = time.monotonic() + self.round_timeout + self.allreduce_timeout + 5
+            while not control.done():
+                if (cancel is not None and cancel.is_set()) or time.monotonic() > deadline:
+                    control.cancel()
+                    break
+                time.sleep(0.1)
+            if control.done() and not control.cancelled():
+                gathered = control.result(timeout=1)
+        except Exception as e:  # hivemind raises on broken rounds; the caller's training goes on
+            log.info("averaging round failed: %s", e)
+            error = e
+        if not gathered:
+            if error is not None and REFUSED_GROUP in str(error):
+                raise RoundFailed(str(error)[str(error).index(REFUSED_GROUP):], refused=True)
+            raise RoundFailed(f"{type(error).__name__}: {error}" if error is not None else
+                              "no group formed (no same-block peer joined the round)")
+        return RoundResult({str(k): v for k, v in gathered.items()}, self._read())
+
+    def _locked(self):
+        lock = self.averager.lock_averaged_tensors
+        if not lock.acquire(timeout=self.allreduce_timeout + 5):
+            raise RoundFailed("the averager is still busy with an earlier all-reduce")
+        return lock
+
+    def _write(self, tensors: list[torch.Tensor]) -> None:
+        """Like hivemind's ``get_tensors()`` but waiting a bounded time for its lock (held by the
+        averager process during an all-reduce, itself bounded by allreduce_timeout)."""
+        lock = self._locked()
+        try:
+            for s, x in zip(self.averager._averaged_tensors, tensors):
+                s.copy_(x)
+        finally:
+            lock.release()
+
+    def _read(self) -> list[torch.Tensor]:
+        lock = self._locked()
+        try:
+            return [s.detach().clone() for s in self.averager._averaged_tensors]
+        finally:
+            lock.release()
+
+    def download_state(self, timeout: float = 30.0) -> tuple[dict, list[torch.Tensor]] | None:
+        """The block's state from a same-prefix peer that shares it, or None if none answered."""
+        got = self.averager.load_state_from_peers(timeout=timeout)
+        if got is None:
+            return None
+        meta, tensors = got
+        return (meta if isinstance(meta, dict) else {}), list(tensors)
+
+    def shutdown(self) -> None:
+        try:
+            self.averager.shutdown()
+        except Exception:  # already gone
+            pass

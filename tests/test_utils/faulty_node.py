@@ -1,0 +1,48 @@
+"""A real ``bt-node`` whose every hop answer is poisoned, the way a buggy or hostile holder answers.
+
+    python tests/test_utils/faulty_node.py nan_hops|inf_hops|shape_hops join --initial-peers ...
+
+The fault wraps the node's hop handler from the test side (the server-side hop adapter the node
+hands to its RPC server); the product itself has no fault knob.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from blocktrain.p2p.hops import HopResponse
+
+FAULTS = {
+    "nan_hops": lambda s: torch.full_like(s, float("nan")),
+    "inf_hops": lambda s: torch.full_like(s, float("inf")),
+    "shape_hops": lambda s: s[:, :-1] if s.shape[1] > 1 else s[..., :-1],
+}
+
+
+def poisoned(kind: str, serve_local):
+    """Wrap ``serve_local`` (hop -> RPC handler) so that every answer's state is poisoned."""
+    poison = FAULTS[kind]
+
+    def wrap(hop):
+        handler = serve_local(hop)
+
+        def bad(req):
+            resp = handler(req)
+            return HopResponse(resp.request_id, poison(resp.state), resp.logits)
+        return bad
+    return wrap
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] not in FAULTS:
+        sys.exit(f"usage: faulty_node.py {{{','.join(FAULTS)}}} BT-NODE-ARGS...")
+    from blocktrain.cli.main import main as bt_node
+    from blocktrain.node import node as node_module
+    node_module.serve_local = poisoned(argv[0], node_module.serve_local)
+    sys.argv = ["bt-node", *argv[1:]]
+    bt_node()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
