@@ -188,12 +188,17 @@ def _load_hf(src: str) -> ByteCorpus:
     return ByteCorpus(config, "hf", splits, labels, source=src)
 
 
-def load_source(src: str | os.PathLike[str]) -> ByteCorpus:
+def load_source(src: str | os.PathLike[str], *, dataset_only: bool = False) -> ByteCorpus:
     """Read a data source (file, WikiText raw folder, train.txt/test.txt folder, folder of text
-    files, or ``wikitext-2`` / ``wikitext-103``) into a :class:`ByteCorpus`."""
+    files, or ``wikitext-2`` / ``wikitext-103``) into a :class:`ByteCorpus`. ``dataset_only``: a
+    dataset name only, never a path (for names that came from the network)."""
     text = os.fspath(src)
     if not text:
         raise DataError("empty data source (expected a file, a folder, or wikitext-2 / wikitext-103)")
+    if dataset_only:
+        if text not in HF_DATASETS:
+            raise DataError(f"{text!r} is not a dataset name ({', '.join(sorted(HF_DATASETS))})")
+        return _load_hf(text)
     path = Path(text).expanduser()
     if path.is_file():
         return ByteCorpus(path.name, "file", {"all": _read_file(path)}, {"all": path.name}, source=str(path))
@@ -240,7 +245,7 @@ def _pct(x: float) -> str:
 
 
 def resolve_data(src: str | os.PathLike[str], eval_src: str | os.PathLike[str] | None = None,
-                 holdout: float = 0.05, *, seq_len: int | None = None) -> DataSplit:
+                 holdout: float = 0.05, *, seq_len: int | None = None, dataset_only: bool = False) -> DataSplit:
     """Resolve train and evaluation bytes.
 
     - WikiText raw folder with ``wiki.train.raw``: train = train, eval = test
@@ -261,7 +266,7 @@ def resolve_data(src: str | os.PathLike[str], eval_src: str | os.PathLike[str] |
     if seq_len is not None and seq_len < 1:
         raise DataError(f"seq_len must be >= 1, got {seq_len!r}")
     window = (seq_len + 1) if seq_len is not None else 2
-    corpus = load_source(src)
+    corpus = load_source(src, dataset_only=dataset_only)
     s, lab = corpus.splits, corpus.labels
 
     evaluation: np.ndarray | None = None

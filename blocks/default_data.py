@@ -10,7 +10,7 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
-from blocktrain.blocks.data import DataError, DataSplit, resolve_data
+from blocktrain.blocks.data import HF_DATASETS, DataError, DataSplit, resolve_data
 
 AUTO = "auto"
 
@@ -59,3 +59,21 @@ def resolve_default(spec: str, seq_len: int, cache_dir: Path) -> tuple[DataSplit
     except DataError:
         f = stdlib_text_file(cache_dir)
         return resolve_data(str(f), seq_len=seq_len), str(f)
+
+
+def is_dataset_name(spec: str) -> bool:
+    """A public dataset known by name (``wikitext-2``, ``wikitext-103``, ...), as opposed to a path."""
+    return spec in HF_DATASETS
+
+
+def resolve_named(name: str, seq_len: int, cache_dir: Path) -> tuple[DataSplit, str]:
+    """Resolve ``auto`` or a dataset NAME through this machine's own known sources (the shared
+    WikiText-2 copy, Hugging Face ``datasets``): never as a path, whatever files exist here."""
+    if name == AUTO:
+        return resolve_default(AUTO, seq_len, cache_dir)
+    if not is_dataset_name(name):
+        raise DataError(f"{name!r} is not a known dataset name ({', '.join(sorted(HF_DATASETS))})")
+    wt = _shared_wikitext()
+    if wt is not None and HF_DATASETS[name] == "wikitext-2-raw-v1":
+        return resolve_data(str(wt), seq_len=seq_len), str(wt)
+    return resolve_data(name, seq_len=seq_len, dataset_only=True), name

@@ -76,7 +76,8 @@ def _run_node(opts: NodeOptions, ready_file: str | None, quiet: bool, banner: st
         node.start()
         st = node.snapshot()
         me = st.self
-        info = {"peer_id": me["peer_id"], "maddrs": me["maddrs"], "run_id": st.run["run_id"], "block": me["block"],
+        info = {"peer_id": me["peer_id"], "maddrs": me["maddrs"], "run_id": st.run["run_id"],
+                "run_address": st.run["address"], "block": me["block"],
                 "http_port": me["http_port"], "data": st.run["data"], "resumed": me["resumed"],
                 "downloaded_state": me["downloaded_state"]}
         if ready_file:
@@ -85,7 +86,10 @@ def _run_node(opts: NodeOptions, ready_file: str | None, quiet: bool, banner: st
             tmp.replace(ready_file)
         err_console.print(f"[bold green]{banner}[/] run [bold]{info['run_id']}[/], block {info['block']} of "
                           f"{st.run['n_blocks']}; data: {info['data']}")
-        err_console.print("Others join with:\n  bt-node join --initial-peers " + (info["maddrs"] or ["?"])[0])
+        first = (info["maddrs"] or ["?"])[0]
+        err_console.print(f"Run address: [bold]{info['run_address']}[/] (members who pass it believe only this "
+                          "run's seeder)")
+        err_console.print(f"Others join with:\n  bt-node join --run {info['run_id']}@{first}")
         if info["http_port"]:
             err_console.print(f"HTTP API and web page: http://{opts.http_host}:{info['http_port']}/")
         if quiet or not err_console.is_terminal:
@@ -115,6 +119,29 @@ def _progress(st) -> Table:
 def _common(checkpoint_dir, run_id, **kw) -> NodeOptions:
     d = checkpoint_dir or f"bt-node-{run_id or 'run'}"
     return NodeOptions(checkpoint_dir=Path(d), run_id=run_id, **_PRIVATE_RUN.get(), **kw)
+
+
+RUN_HELP = ("Which run: RUN, or its run address RUN@SEEDER_PEER_ID (believe only that seeder's manifest), "
+            "or RUN@/ip4/HOST/tcp/PORT/p2p/SEEDER_PEER_ID (also a peer to start from). Default: the run "
+            "the initial peer serves.")
+
+
+def _run_address(value):
+    """click callback: parse a run address; clear errors for bad ones."""
+    from ..p2p.records import RecordError, parse_run_address
+    try:
+        return parse_run_address(value)
+    except RecordError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _peers(initial_peers, address) -> list[str]:
+    from ..p2p.addresses import parse_initial_peers
+    peers = parse_initial_peers(list(initial_peers)) + ([address.bootstrap] if address.bootstrap else [])
+    if not peers:
+        raise click.UsageError("give --initial-peers MULTIADDR, or a run address with a multiaddr "
+                               "(--run RUN@/ip4/HOST/tcp/PORT/p2p/PEERID)")
+    return peers
 
 
 # -- private runs (node/auth.py): --allow-peer / --run-secret-file, handed to _common ----------
@@ -152,8 +179,9 @@ def private_run_options(fn):
 @click.option("--initial-peers", multiple=True, metavar="MULTIADDR",
               help="Start the run on an existing DHT (any of its nodes); default: a new network.")
 @click.option("--data", default="auto", show_default=True,
-              help="Data spec every node trains on: a path or wikitext-2/-103; 'auto' = shared WikiText-2 "
-                   "if present, else HF wikitext-2, else the Python standard library's text.")
+              help="What the run trains on: wikitext-2 / wikitext-103 (members fetch it by name), a local file "
+                   "or folder (the manifest then carries only its sha256: members bring a copy with --data), "
+                   "or 'auto' = shared WikiText-2 if present, else HF wikitext-2, else the Python stdlib's text.")
 @config_options
 @node_options
 @private_run_options
@@ -180,10 +208,13 @@ def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpo
 
 
 @click.command("join")
-@click.option("--initial-peers", multiple=True, required=True, metavar="MULTIADDR",
-              help="Multiaddr of any node of the run (repeatable).")
-@click.option("--run-id", default=None, help="Which run (needed only if several are live).")
-@click.option("--data", default=None, help="Train on this local data instead of the run's data spec.")
+@click.option("--initial-peers", multiple=True, metavar="MULTIADDR",
+              help="Multiaddr of any node of the run (repeatable; optional with a RUN@MULTIADDR run address).")
+@click.option("--run", "--run-id", "run_id", default=None, metavar="RUN", callback=lambda c, p, v: _run_address(v),
+              help=RUN_HELP)
+@click.option("--data", default=None,
+              help="Train on this local data (a file or folder). Without it the node trains on the dataset the "
+                   "run names; it never reads a path named by the network.")
 @node_options
 @private_run_options
 @friendly
@@ -193,12 +224,13 @@ def join(initial_peers, run_id, data, checkpoint_dir, block, device, host, port,
     """Join a run: pick the least-held block, download its current state, train, average and serve.
 
     \b
-    Example:
-      bt-node join --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/12D3KooW...
+    Examples:
+      bt-node join --run demo@/ip4/1.2.3.4/tcp/31337/p2p/QmSeeder...
+      bt-node join --initial-peers /ip4/1.2.3.4/tcp/31337/p2p/QmAnyNode...
     """
-    from ..p2p.addresses import parse_initial_peers
-    peers = parse_initial_peers(list(initial_peers))
-    opts = _common(checkpoint_dir, run_id, initial_peers=peers, data=data, block=block, device=device,
+    peers = _peers(initial_peers, run_id)
+    opts = _common(checkpoint_dir, run_id.run_id, seeder=run_id.seeder, initial_peers=peers, data=data, block=block,
+                   device=device,
                    host=host, port=port, announce_host=announce_host, http_port=http_port, http_host=http_host,
                    average_every=average_every, average_period=average_period,
                    checkpoint_every=checkpoint_every, max_steps=max_steps, eval_every=eval_every, seed=sample_seed,
@@ -224,15 +256,17 @@ def _http_call(url: str, path: str, body: dict | None = None, timeout: float = 1
 
 
 def where_options(fn):
-    fn = click.option("--run-id", default=None, help="Which run (needed only if several are live).")(fn)
+    fn = click.option("--run", "--run-id", "run_id", default=None, metavar="RUN",
+                      callback=lambda c, p, v: _run_address(v), help=RUN_HELP)(fn)
     fn = click.option("--http", "http_url", default=None, help="Ask this node's HTTP API instead (URL).")(fn)
     fn = click.option("--initial-peers", multiple=True, metavar="MULTIADDR", help="Any node of the run.")(fn)
     return fn
 
 
-def _need_where(initial_peers, http_url):
-    if bool(initial_peers) == bool(http_url):
-        raise click.UsageError("give exactly one of --initial-peers MULTIADDR or --http URL")
+def _need_where(initial_peers, http_url, address=None):
+    network = bool(initial_peers) or bool(address is not None and address.bootstrap)
+    if network == bool(http_url):
+        raise click.UsageError("give exactly one of --initial-peers MULTIADDR (or --run RUN@MULTIADDR) or --http URL")
 
 
 @click.command("generate")
@@ -252,14 +286,13 @@ def generate(prompt, initial_peers, http_url, run_id, mode, max_bytes, seed, tem
       bt-node generate "The history of" --http http://127.0.0.1:8000
       bt-node generate "The history of" --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...
     """
-    _need_where(initial_peers, http_url)
+    _need_where(initial_peers, http_url, run_id)
     if http_url:
         res = _http_call(http_url, "/v1/generate", {"prompt": prompt, "max_bytes": max_bytes, "mode": mode,
                                                     "seed": seed, "temperature": temperature})
     else:
         from ..node.client import NetworkClient
-        from ..p2p.addresses import parse_initial_peers
-        c = NetworkClient(parse_initial_peers(list(initial_peers)), run_id)
+        c = NetworkClient(_peers(initial_peers, run_id), run_id)
         try:
             res = c.generate(prompt.encode(), max_bytes, mode, seed=seed, temperature=temperature)
             res.pop("bytes", None)
@@ -279,14 +312,13 @@ def generate(prompt, initial_peers, http_url, run_id, mode, max_bytes, seed, tem
 @friendly
 def status(initial_peers, http_url, run_id, as_json):
     """Print a table of blocks x holders (state, step, throughput)."""
-    _need_where(initial_peers, http_url)
+    _need_where(initial_peers, http_url, run_id)
     if http_url:
         st = _http_call(http_url, "/v1/status")
         blocks, run = st["blocks"], st["run"]
     else:
         from ..node.client import NetworkClient
-        from ..p2p.addresses import parse_initial_peers
-        c = NetworkClient(parse_initial_peers(list(initial_peers)), run_id)
+        c = NetworkClient(_peers(initial_peers, run_id), run_id)
         try:
             hs = c.holders()
             run = {"run_id": c.run_id, "config_hash": c.cfg.config_hash, "objective": c.cfg.objective,
@@ -313,8 +345,9 @@ def status(initial_peers, http_url, run_id, as_json):
 
 
 @click.command("export")
-@click.option("--initial-peers", multiple=True, required=True, metavar="MULTIADDR")
-@click.option("--run-id", default=None)
+@click.option("--initial-peers", multiple=True, metavar="MULTIADDR", help="Any node of the run.")
+@click.option("--run", "--run-id", "run_id", default=None, metavar="RUN", callback=lambda c, p, v: _run_address(v),
+              help=RUN_HELP)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Directory to write.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
@@ -322,8 +355,7 @@ def export(initial_peers, run_id, out, as_json):
     """Pull every block from the network into one directory (safetensors per block + config.json),
     which `bt-node eval --checkpoint DIR` accepts."""
     from ..node.client import NetworkClient
-    from ..p2p.addresses import parse_initial_peers
-    c = NetworkClient(parse_initial_peers(list(initial_peers)), run_id)
+    c = NetworkClient(_peers(initial_peers, run_id), run_id)
     try:
         res = c.export(out)
     finally:

@@ -6,38 +6,39 @@ from __future__ import annotations
 from pathlib import Path
 
 
-from ..blocks import checkpoint as ckpt
-from ..blocks.config import ModelConfig
-from ..blocks.data import eval_windows
-from ..blocks.objectives import get_objective
-from ..p2p.aioloop import LoopThread
-from ..p2p.discovery import Discovery
-from ..p2p.errors import RunNotFoundError
-from ..p2p.rpc_client import HopClient
-from . import generation
+from blocktrain.blocks import checkpoint as ckpt
+from blocktrain.blocks.data import eval_windows
+from blocktrain.blocks.objectives import get_objective
+from blocktrain.node import generation
 from blocktrain.node.routing.ranking import HolderRanking
 from blocktrain.node.routing.router import Router
+from blocktrain.node.runs import resolve_run
 from blocktrain.node.state_fetch import StateFetcher
+from blocktrain.p2p.aioloop import LoopThread
+from blocktrain.p2p.discovery import Discovery
+from blocktrain.p2p.records import RunAddress, parse_run_address
+from blocktrain.p2p.rpc_client import HopClient, get_node_info
 
 
 class NetworkClient:
-    def __init__(self, initial_peers: list[str], run_id: str | None = None, *, hop_timeout: float = 20.0):
-        if not initial_peers:
-            raise ValueError("give at least one --initial-peers multiaddr")
-        self.discovery = Discovery.start(initial_peers=initial_peers, client_mode=True,
-                                         run_ids=[run_id] if run_id else [])
+    """``run``: a run id, a run address (``RUN@SEEDER`` / ``RUN@/ip4/.../p2p/SEEDER``), a parsed
+    :class:`RunAddress`, or None for the run the initial peers serve (see ``node/runs.py``)."""
+
+    def __init__(self, initial_peers: list[str], run: str | RunAddress | None = None, *, hop_timeout: float = 20.0):
+        address = run if isinstance(run, RunAddress) else parse_run_address(run)
+        peers = list(initial_peers) + ([address.bootstrap] if address.bootstrap else [])
+        if not peers:
+            raise ValueError("give at least one --initial-peers multiaddr (or a run address RUN@/ip4/.../p2p/ID)")
+        self.discovery = Discovery.start(initial_peers=peers, client_mode=True,
+                                         run_ids=[address.run_id] if address.run_id else [])
         self.loop: LoopThread | None = None
         try:
-            self.run_id = self.discovery.resolve_run(run_id)
-            self.discovery.follow_run(self.run_id)
-            m = self.discovery.get_manifest(self.run_id)
-            if m is None:
-                raise RunNotFoundError(f"no run {self.run_id!r} found through {', '.join(initial_peers)}")
-            self.manifest = m
-            self.cfg = ModelConfig.from_dict(m.model_config_dict, source=f"manifest of run {self.run_id}")
-            self.objective = get_objective(self.cfg)
             self.loop = LoopThread(name="bt-client")
             p2p = self.loop.run(self.discovery.dht.replicate_p2p(), timeout=30)
+            ask = lambda peer: self.loop.run(get_node_info(p2p, peer, timeout=10), timeout=15)  # noqa: E731
+            self.manifest, self.cfg = resolve_run(self.discovery, address, peers, ask)
+            self.run_id = self.manifest.run_id
+            self.objective = get_objective(self.cfg)
             self.hop_client = HopClient(p2p, self.run_id, loop=self.loop)
             ranking = HolderRanking()
             self.router = Router(self.discovery, self.hop_client, self.run_id, self.cfg.n_blocks,

@@ -20,9 +20,8 @@ import time
 
 import numpy as np
 
-from blocktrain.blocks.config import ModelConfig
 from blocktrain.blocks.data import eval_windows
-from blocktrain.blocks.default_data import resolve_default
+from blocktrain.blocks.default_data import AUTO, resolve_default
 from blocktrain.blocks.local_run import pick_device
 from blocktrain.blocks.objectives import get_objective
 from blocktrain.node import generation
@@ -30,6 +29,7 @@ from blocktrain.node.auth import RunAuth
 from blocktrain.node.averaging.rounds import BlockAverager
 from blocktrain.node.loops import Loop, Teardown
 from blocktrain.node.options import NodeOptions
+from blocktrain.node.runs import member_data, published_data_spec, resolve_run
 from blocktrain.node.routing.bans import PeerBans
 from blocktrain.node.routing.hops import serve_local
 from blocktrain.node.routing.ranking import HolderRanking
@@ -41,12 +41,12 @@ from blocktrain.node.trainer import BlockTrainer
 from blocktrain.node.upstream import UpstreamSnapshots
 from blocktrain.p2p.aioloop import LoopThread
 from blocktrain.p2p.discovery import Discovery
-from blocktrain.p2p.errors import ConfigMismatchError, RunNotFoundError
+from blocktrain.p2p.errors import ConfigMismatchError
 from blocktrain.p2p.hops import HopLimits
 from blocktrain.p2p.identity import NodeIdentity
-from blocktrain.p2p.records import BlockAnnouncement, RunManifest
-from blocktrain.p2p.rpc_client import HopClient
-from blocktrain.p2p.rpc_server import BlockRPCServer
+from blocktrain.p2p.records import BlockAnnouncement, RunAddress, RunManifest
+from blocktrain.p2p.rpc_client import HopClient, get_node_info
+from blocktrain.p2p.rpc_server import BlockRPCServer, InfoService
 
 log = logging.getLogger(__name__)
 SOFTWARE_VERSION = "blocktrain/0.1.0"
@@ -98,6 +98,9 @@ class Node:
         td.push("discovery", lambda: self.discovery.shutdown(withdraw=False))
         self.peer_id = self.discovery.peer_id
         self.auth = dataclasses.replace(self.auth, self_peer=self.peer_id)
+        self.loop = LoopThread(name=f"bt-node-{self.peer_id[-6:]}")
+        td.push("rpc loop", self.loop.stop)
+        self.p2p = self.loop.run(self.discovery.dht.replicate_p2p(), timeout=30)
         self._resolve_run()
         self._build_trainer()
         self._start_rpc()
@@ -140,31 +143,33 @@ class Node:
 
     def _resolve_run(self) -> None:
         o, d = self.opts, self.discovery
-        if o.config is not None:   # seeding a new run
-            if not o.run_id:
-                raise ValueError("seeding needs a run id")
-            existing = d.get_manifest(o.run_id)
-            if existing is not None and existing.config_hash != o.config.config_hash:
-                raise ConfigMismatchError(f"run {o.run_id!r} already exists with config {existing.config_hash}; "
-                                          f"this node's config is {o.config.config_hash}")
-            self.manifest = existing or RunManifest(
-                run_id=o.run_id, model_config=o.config.to_dict(), config_hash=o.config.config_hash,
-                data_spec=o.data or "auto", target_seed=o.config.target_seed, protocol_version=PROTOCOL_VERSION,
-                seeder_public_key=d.public_key, created_at=time.time())
-            d.publish_manifest(self.manifest)
-            self.cfg = o.config
-        else:
-            run_id = d.resolve_run(o.run_id)
-            d.follow_run(run_id)
-            m = d.get_manifest(run_id)
-            if m is None:
-                raise RunNotFoundError(f"no run {run_id!r} found through {', '.join(o.initial_peers) or 'the DHT'}")
-            self.manifest = m
-            self.cfg = ModelConfig.from_dict(m.model_config_dict, source=f"manifest of run {run_id}")
-            if self.cfg.config_hash != m.config_hash:
-                raise ConfigMismatchError(f"run {run_id!r}: manifest config hashes to {self.cfg.config_hash}, "
-                                          f"but announces {m.config_hash}")
-        self.run_id = self.manifest.run_id
+        if o.config is None:   # joining: whose manifest to believe is node/runs.py's rule
+            ask = lambda peer: self.loop.run(get_node_info(self.p2p, peer, timeout=10), timeout=15)  # noqa: E731
+            self.manifest, self.cfg = resolve_run(d, RunAddress(o.run_id, o.seeder), o.initial_peers, ask)
+            self.run_id = self.manifest.run_id
+            return
+        if not o.run_id:   # seeding a new run
+            raise ValueError("seeding needs a run id")
+        others = [m for m in d.claimants(o.run_id) if m.seeder != self.peer_id]
+        if others:
+            raise ConfigMismatchError(f"run id {o.run_id!r} is already claimed by seeder(s) "
+                                      f"{', '.join(m.seeder for m in others)}; choose another run id")
+        existing = d.get_manifest(o.run_id, seeder=self.peer_id)
+        if existing is not None and existing.config_hash != o.config.config_hash:
+            raise ConfigMismatchError(f"run {o.run_id!r} already exists with config {existing.config_hash}; "
+                                      f"this node's config is {o.config.config_hash}")
+        self.cfg, self.run_id = o.config, o.run_id
+        self.split, self.data_used = resolve_default(o.data or AUTO, self.cfg.seq_len, o.checkpoint_dir)
+        self.manifest = existing or RunManifest(
+            run_id=o.run_id, model_config=o.config.to_dict(), config_hash=o.config.config_hash,
+            data_spec=published_data_spec(o.data or AUTO, self.split), target_seed=o.config.target_seed,
+            protocol_version=PROTOCOL_VERSION, seeder_public_key=d.public_key, created_at=time.time())
+        d.publish_manifest(self.manifest)
+
+    @property
+    def run_address(self) -> str:
+        """What members paste to join this run and believe only its seeder's manifest."""
+        return f"{self.run_id}@{self.manifest.seeder}"
 
     def _build_trainer(self) -> None:
         o, cfg = self.opts, self.cfg
@@ -172,7 +177,8 @@ class Node:
         if not 0 <= b < cfg.n_blocks:
             raise ValueError(f"--block {b} is out of range: run {self.run_id!r} has {cfg.n_blocks} blocks")
         self.block_index = b
-        self.split, self.data_used = resolve_default(o.data or self.manifest.data_spec, cfg.seq_len, o.checkpoint_dir)
+        if o.config is None:   # a member: its own --data, else the run's named dataset (never a path)
+            self.split, self.data_used = member_data(self.manifest.data_spec, o.data, cfg.seq_len, o.checkpoint_dir)
         worker = int(hashlib.sha256(self.peer_id.encode()).hexdigest()[:8], 16)
         device = pick_device(o.device)
         objective = get_objective(cfg)
@@ -184,10 +190,7 @@ class Node:
         self._checkpoint_ok = True   # from here on a final checkpoint cannot overwrite one we failed to load
 
     def _start_rpc(self) -> None:
-        cfg, b, o = self.cfg, self.block_index, self.opts
-        self.loop = LoopThread(name=f"bt-node-{self.peer_id[-6:]}")
-        self.teardown.push("rpc loop", self.loop.stop)
-        p2p = self.loop.run(self.discovery.dht.replicate_p2p(), timeout=30)
+        cfg, b, o, p2p = self.cfg, self.block_index, self.opts, self.p2p
         objective = self.trainer.objective
         limits = HopLimits(allowed_blocks=frozenset({b}), max_batch=64, max_seq=cfg.seq_len,
                            state_dim=objective.state_dim(), vocab_size=cfg.vocab_size)
@@ -197,11 +200,16 @@ class Node:
                                      authorize=self.auth.authorize if self.auth.restricted else None)
         self.loop.run(self.server.add_block(b), timeout=30)
         self.teardown.push("rpc server", lambda: self.loop.run(self.server.close(), timeout=10))
+        self.loop.run(InfoService.serve(p2p, self._info), timeout=30)
         self.client = HopClient(p2p, self.run_id, loop=self.loop)
         self.router = Router(self.discovery, self.client, self.run_id, cfg.n_blocks,
                              local_hops={b: self.trainer.hop}, self_peer=self.peer_id, bans=self.route_bans,
                              ranking=self.ranking)
         self.fetcher = StateFetcher(self.client, objective, ranking=self.ranking, self_peer=self.peer_id)
+
+    def _info(self) -> dict:
+        """What this node tells a member that asks which run it serves."""
+        return {"runs": [{"run_id": self.run_id, "seeder": self.manifest.seeder, "config_hash": self.cfg.config_hash}]}
 
     def refresh_upstream(self) -> bool:
         return self.upstream.refresh(self.fetcher, self.discovery.list_holders(self.run_id), self.errors)

@@ -14,6 +14,7 @@ RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 class NodeOptions:
     checkpoint_dir: Path
     run_id: str | None = None
+    seeder: str | None = None                  # join: believe only manifests signed by this peer id
     initial_peers: list[str] = field(default_factory=list)
     config: ModelConfig | None = None          # seed only: the run's model config
     data: str | None = None                    # seed: the run's data spec; join: local override

@@ -54,7 +54,7 @@ def build_status(node) -> NodeStatus:
                          f"rpc_{side}_bytes_received_total": snap.bytes_received,
                          f"rpc_{side}_calls_total": snap.calls, f"rpc_{side}_errors_total": snap.errors})
     return NodeStatus(
-        run={"run_id": node.run_id, "config_hash": cfg.config_hash, "objective": cfg.objective,
+        run={"run_id": node.run_id, "address": node.run_address, "config_hash": cfg.config_hash, "objective": cfg.objective,
              "n_blocks": cfg.n_blocks, "d_model": cfg.d_model, "layers_per_block": cfg.layers_per_block,
              "seq_len": cfg.seq_len, "data": node.data_used, "protocol": node.split.protocol},
         self={"peer_id": node.peer_id, "block": node.block_index, "state": node.state, "step": t.step,

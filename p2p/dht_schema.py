@@ -24,7 +24,7 @@ from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
 
-from blocktrain.p2p.records import validate_run_id
+from blocktrain.p2p.records import NETWORK_DATA_SPEC_RE, validate_run_id
 
 __all__ = [
     "manifest_key", "blocks_key", "block_subkey", "owner_marker", "parse_block_subkey",
@@ -61,7 +61,7 @@ class ManifestSchema(pv1.BaseModel):
     run_id: _RUN
     model_config_: Dict[pv1.StrictStr, Any] = pv1.Field(alias="model_config")
     config_hash: _HASH
-    data_spec: pv1.constr(strict=True, max_length=4096)
+    data_spec: pv1.constr(strict=True, regex=NETWORK_DATA_SPEC_RE)
     target_seed: pv1.StrictInt
     protocol_version: pv1.StrictInt
     seeder_public_key: pv1.constr(strict=True, max_length=2048)
@@ -120,5 +120,4 @@ def run_schema_validator(run_id: str) -> SchemaValidator:
 
 def make_validators(record_key: RSAPrivateKey, run_ids: list[str] | tuple[str, ...] = ()) -> list[RecordValidatorBase]:
     """The validators every BlockTrain DHT node runs: signatures always, schemas for the runs it follows."""
-    from blocktrain.p2p.run_index import run_index_validator
-    return [RSASignatureValidator(record_key), run_index_validator(), *(run_schema_validator(r) for r in run_ids)]
+    return [RSASignatureValidator(record_key), *(run_schema_validator(r) for r in run_ids)]

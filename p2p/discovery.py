@@ -34,7 +34,6 @@ from blocktrain.p2p.errors import (
     RecordError, RunNotFoundError,
 )
 from blocktrain.p2p.identity import NodeIdentity, peer_id_from_public_key
-from blocktrain.p2p.run_index import RUNS_KEY, parse_run_index, run_subkey
 from blocktrain.p2p.records import PROTOCOL_VERSION, BlockAnnouncement, RunManifest, validate_run_id
 
 __all__ = [
@@ -211,57 +210,44 @@ class Discovery:
         if not ok:
             raise DiscoveryError(f"storing the manifest of run {manifest.run_id!r} was refused by every DHT node")
         self._run_hash[manifest.run_id] = manifest.config_hash
-        entry = {"run_id": manifest.run_id, "config_hash": manifest.config_hash,
-                 "created_at": float(manifest.created_at)}
-        await self.dht.store(RUNS_KEY, entry, get_dht_time() + ttl,
-                             subkey=run_subkey(manifest.run_id, owner_marker(self.record_key)), return_future=True)
-
-    async def alist_runs(self) -> list[str]:
-        found = await self.dht.get(RUNS_KEY, latest=True, return_future=True)
-        return parse_run_index(found)
-
-    def list_runs(self) -> list[str]:
-        """Ids of the runs published in this DHT (through the signed run index)."""
-        return self._sync(self.alist_runs(), "list_runs")
-
-    def resolve_run(self, run_id: str | None) -> str:
-        """``run_id`` itself, or the only run in the index; a clear error when that is ambiguous."""
-        if run_id:
-            return validate_run_id(run_id)
-        runs = self.list_runs()
-        if len(runs) == 1:
-            return runs[0]
-        if not runs:
-            raise RunNotFoundError("no run found through the initial peers; pass --run-id")
-        raise RecordError(f"several runs are live ({', '.join(runs)}); pass --run-id")
 
     def publish_manifest(self, manifest: RunManifest, *, ttl: float = MANIFEST_TTL) -> None:
         """Publish the run manifest signed by this node's key (the node becomes the run's seeder)."""
         self._sync(self.apublish_manifest(manifest, ttl=ttl), "publish_manifest")
 
-    async def aget_manifest(self, run_id: str, *, seeder_public_key: str | None = None) -> RunManifest | None:
+    async def aclaimants(self, run_id: str) -> list[RunManifest]:
+        """Every well-formed manifest published under ``run_id``, one per seeder key, oldest claim first."""
         await self.afollow_run(run_id)
         found = await self.dht.get(manifest_key(run_id), latest=True, return_future=True)
-        manifests = parse_manifests(run_id, found, seeder_public_key)
+        return sorted(parse_manifests(run_id, found, None), key=lambda m: (m.created_at, m.seeder_public_key))
+
+    def claimants(self, run_id: str) -> list[RunManifest]:
+        return self._sync(self.aclaimants(run_id), "claimants")
+
+    async def aget_manifest(self, run_id: str, *, seeder: str | None = None) -> RunManifest | None:
+        manifests = await self.aclaimants(run_id)
+        if seeder is not None:
+            manifests = [m for m in manifests if m.seeder == seeder]
         if not manifests:
             return None
-        hashes = sorted({m.config_hash for m in manifests})
-        if len(hashes) > 1:
+        if len(manifests) > 1:   # a claim's timestamp is the writer's own word: it decides nothing
+            listing = "; ".join(f"{m.seeder} (config {m.config_hash}, data {m.data_spec})" for m in manifests)
             raise ManifestConflictError(
-                f"run {run_id!r} has {len(manifests)} manifests by different seeders with config hashes "
-                f"{', '.join(hashes)}; pass seeder_public_key to pick the trusted seeder"
+                f"run {run_id!r} is claimed by {len(manifests)} seeders: {listing}. Ask the run's organiser for "
+                f"its run address and pass it as --run {run_id}@SEEDER_PEER_ID"
             )
-        return min(manifests, key=lambda m: (m.created_at, m.seeder_public_key))
+        return manifests[0]
 
-    def get_manifest(self, run_id: str, *, seeder_public_key: str | None = None) -> RunManifest | None:
-        """The run's manifest, or None if nobody published one (or it expired)."""
-        return self._sync(self.aget_manifest(run_id, seeder_public_key=seeder_public_key), "get_manifest")
+    def get_manifest(self, run_id: str, *, seeder: str | None = None) -> RunManifest | None:
+        """The run's manifest (by ``seeder`` if given), None if nobody published one; ManifestConflictError
+        if several seeders claim the run and none is pinned."""
+        return self._sync(self.aget_manifest(run_id, seeder=seeder), "get_manifest")
 
     async def acheck_manifest(
-        self, run_id: str, config_hash: str, *, seeder_public_key: str | None = None,
+        self, run_id: str, config_hash: str, *, seeder: str | None = None,
         protocol_version: int = PROTOCOL_VERSION,
     ) -> RunManifest:
-        m = await self.aget_manifest(run_id, seeder_public_key=seeder_public_key)
+        m = await self.aget_manifest(run_id, seeder=seeder)
         if m is None:
             raise RunNotFoundError(
                 f"no manifest is published for run {run_id!r}: check the run id and that the initial peers "
@@ -281,12 +267,12 @@ class Discovery:
         return m
 
     def check_manifest(
-        self, run_id: str, config_hash: str, *, seeder_public_key: str | None = None,
+        self, run_id: str, config_hash: str, *, seeder: str | None = None,
         protocol_version: int = PROTOCOL_VERSION,
     ) -> RunManifest:
         """Return the manifest if this node may join; raise RunNotFoundError / ConfigMismatchError otherwise."""
         return self._sync(
-            self.acheck_manifest(run_id, config_hash, seeder_public_key=seeder_public_key,
+            self.acheck_manifest(run_id, config_hash, seeder=seeder,
                                  protocol_version=protocol_version),
             "check_manifest",
         )
@@ -418,7 +404,8 @@ def _subentries(found: ValueWithExpiration | None) -> dict[Any, Any]:
     return found.value
 
 
-def parse_manifests(run_id: str, found: ValueWithExpiration | None, seeder: str | None) -> list[RunManifest]:
+def parse_manifests(run_id: str, found: ValueWithExpiration | None, seeder_public_key: str | None
+                    ) -> list[RunManifest]:
     out: list[RunManifest] = []
     for subkey, item in _subentries(found).items():
         owner = parse_owner_marker(subkey)
@@ -432,7 +419,7 @@ def parse_manifests(run_id: str, found: ValueWithExpiration | None, seeder: str 
         if m.run_id != run_id or m.seeder_public_key.encode() != owner:
             logger.debug("dropping manifest of run %s not signed by its seeder", run_id)
             continue
-        if seeder is not None and m.seeder_public_key != seeder:
+        if seeder_public_key is not None and m.seeder_public_key != seeder_public_key:
             continue
         out.append(m)
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -16,12 +17,16 @@ from blocktrain.p2p.errors import RecordError
 
 __all__ = [
     "RunManifest", "BlockAnnouncement", "BlockState", "PROTOCOL_VERSION", "RUN_ID_RE",
-    "validate_run_id", "RecordError",
+    "validate_run_id", "RecordError", "RunAddress", "parse_run_address", "NETWORK_DATA_SPEC_RE",
 ]
 
 PROTOCOL_VERSION = 1
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 CONFIG_HASH_RE = r"^[0-9a-f]{8,64}$"
+# What a manifest may say about the run's data: a dataset NAME (resolved by each member through its
+# own known sources, never as a path) or the sha256 of private data (members bring a copy with
+# --data). Never a path or glob: a stranger's manifest must not make a member read its own disk.
+NETWORK_DATA_SPEC_RE = r"^(?:[a-z][a-z0-9-]{0,63}|sha256:[0-9a-f]{64})$"
 MAX_ADDRESSES = 8
 BlockState = Literal["joining", "online", "leaving"]
 
@@ -63,7 +68,7 @@ class RunManifest(_Record):
     run_id: str
     model_config_dict: dict[str, Any] = Field(alias="model_config")
     config_hash: str = Field(pattern=CONFIG_HASH_RE)
-    data_spec: str = Field(max_length=4096)
+    data_spec: str = Field(pattern=NETWORK_DATA_SPEC_RE)
     target_seed: int
     protocol_version: int = PROTOCOL_VERSION
     seeder_public_key: str = Field(max_length=2048)
@@ -73,6 +78,12 @@ class RunManifest(_Record):
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="python", by_alias=True)
+
+    @property
+    def seeder(self) -> str:
+        """The seeder's peer id (its record key is its libp2p identity)."""
+        from blocktrain.p2p.identity import peer_id_from_public_key
+        return peer_id_from_public_key(self.seeder_public_key.encode())
 
 
 class BlockAnnouncement(_Record):
@@ -110,3 +121,45 @@ class BlockAnnouncement(_Record):
     @property
     def is_live(self) -> bool:
         return self.state in ("joining", "online")
+
+
+# -- run addresses --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunAddress:
+    """What a member pastes to name a run: ``RUN``, ``RUN@SEEDER_PEER_ID`` or ``RUN@/ip4/.../p2p/SEEDER``.
+
+    With a seeder, only manifests signed by that seeder's key are believed; the multiaddr form also
+    gives a peer to start from (the seeder itself)."""
+
+    run_id: str | None = None
+    seeder: str | None = None
+    bootstrap: str | None = None
+
+    def __str__(self) -> str:
+        if self.run_id is None:
+            return "(the initial peer's run)"
+        return self.run_id if self.seeder is None else f"{self.run_id}@{self.seeder}"
+
+
+_PEER_ID_RE = re.compile(r"^(Qm[1-9A-HJ-NP-Za-km-z]{44}|12D3KooW[1-9A-HJ-NP-Za-km-z]{44,48}|[1-9A-HJ-NP-Za-km-z]{40,128})$")
+
+
+def parse_run_address(text: str | None) -> RunAddress:
+    """Parse a run address (see :class:`RunAddress`); RecordError says what is wrong."""
+    if text is None or text == "":
+        return RunAddress()
+    run, sep, rest = str(text).strip().partition("@")
+    validate_run_id(run)
+    if not sep:
+        return RunAddress(run)
+    if rest.startswith("/"):
+        from blocktrain.p2p.addresses import AddressError, parse_multiaddr, peer_id_of
+        try:
+            maddr = parse_multiaddr(rest, require_peer_id=True, allow_port_zero=False)
+        except AddressError as e:
+            raise RecordError(f"run address {text!r}: {e}") from None
+        return RunAddress(run, peer_id_of(maddr), maddr)
+    if not _PEER_ID_RE.match(rest):
+        raise RecordError(f"run address {text!r}: after '@' comes the seeder's peer id (Qm... or 12D3KooW...) "
+                          f"or its multiaddr (/ip4/.../tcp/PORT/p2p/PEERID)")
+    return RunAddress(run, rest)

@@ -23,11 +23,12 @@ from blocktrain.p2p.hops import (
     STATE_DTYPES, WIRE_VERSION, HopRequest, HopResponse, decode_meta, encode_meta, estimate_request_bytes,
     estimate_response_bytes, namespace,
 )
-from blocktrain.p2p.rpc_server import UNARY_LIMIT_BYTES, BlockService
+from blocktrain.p2p.records import validate_run_id
+from blocktrain.p2p.rpc_server import INFO_NAMESPACE, UNARY_LIMIT_BYTES, BlockService, InfoService
 from blocktrain.p2p.tensors import DEFAULT_CHUNK_BYTES, TensorAssembler, decode_tensor, encode_tensor, split_parts
 from blocktrain.p2p.traffic import TrafficCounter
 
-__all__ = ["HopClient"]
+__all__ = ["HopClient", "get_node_info"]
 
 
 def _peer(peer_id: str | PeerID) -> PeerID:
@@ -39,11 +40,12 @@ class HopClient:
     the ``*_sync`` helpers need ``loop`` (the :class:`LoopThread` running that loop)."""
 
     def __init__(
-        self, p2p: P2P, run_id: str, *, loop: LoopThread | None = None, default_timeout: float = 30.0,
+        self, p2p: P2P, run_id: str | None, *, loop: LoopThread | None = None, default_timeout: float = 30.0,
         unary_limit: int = UNARY_LIMIT_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES, vocab_size_hint: int = 256,
         max_response_bytes: int = 1 << 30,
     ):
-        namespace(run_id, 0)  # validates run_id
+        if run_id is not None:
+            namespace(run_id, 0)  # validates run_id
         self.p2p = p2p
         self.run_id = run_id
         self.loop = loop
@@ -220,10 +222,39 @@ class HopClient:
     def forward_sync(self, peer_id: str | PeerID, request: HopRequest, timeout: float | None = None) -> HopResponse:
         return self._need_loop().run(self.forward(peer_id, request, timeout))
 
+    def get_info_sync(self, peer_id: str | PeerID, timeout: float = 10.0) -> list[dict[str, str]]:
+        return self._need_loop().run(get_node_info(self.p2p, peer_id, timeout))
+
     def get_block_state_sync(
         self, peer_id: str | PeerID, block_index: int, timeout: float | None = None, *, max_bytes: int | None = None,
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return self._need_loop().run(self.get_block_state(peer_id, block_index, timeout, max_bytes=max_bytes))
+
+
+async def get_node_info(p2p: P2P, peer_id: str | PeerID, timeout: float = 10.0) -> list[dict[str, str]]:
+    """The runs a node serves (``InfoService``): ``[{"run_id", "seeder", "config_hash"}]``, malformed
+    entries dropped; RemoteHopError / HopTimeoutError if it does not answer."""
+    try:
+        stub = InfoService.get_stub(p2p, _peer(peer_id), namespace=INFO_NAMESPACE)
+        resp = await asyncio.wait_for(stub.rpc_info(runtime_pb2.ExpertRequest()), timeout)
+        meta = decode_meta(resp.metadata, "info answer")
+    except asyncio.TimeoutError:
+        raise HopTimeoutError(f"peer {peer_id} did not say which run it serves within {timeout:.0f}s") from None
+    except (P2PHandlerError, P2PDaemonError, ConnectionError, asyncio.IncompleteReadError) as e:
+        raise _transport_error(str(peer_id), -1, e) from None
+    except HopRequestError as e:
+        raise RemoteHopError(str(peer_id), "bad_response", e.reason) from None
+    _raise_if_failed(str(peer_id), meta)
+    runs = meta.get("runs")
+    out = []
+    for r in runs if isinstance(runs, list) else []:
+        try:
+            if isinstance(r, dict) and isinstance(r.get("seeder"), str) and isinstance(r.get("config_hash"), str):
+                out.append({"run_id": validate_run_id(r.get("run_id")), "seeder": r["seeder"][:128],
+                            "config_hash": r["config_hash"][:64]})
+        except ValueError:
+            continue
+    return out
 
 
 def _raise_if_failed(peer: str, meta: dict[str, Any]) -> None:

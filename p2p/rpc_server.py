@@ -34,12 +34,15 @@ from blocktrain.p2p.hops import (
 from blocktrain.p2p.tensors import DEFAULT_CHUNK_BYTES, TensorAssembler, decode_tensor, encode_tensor, split_parts
 from blocktrain.p2p.traffic import TrafficCounter
 
-__all__ = ["BlockService", "BlockRPCServer", "HopHandler", "StateProvider", "UNARY_LIMIT_BYTES"]
+__all__ = ["BlockService", "BlockRPCServer", "HopHandler", "StateProvider", "UNARY_LIMIT_BYTES", "InfoService",
+           "INFO_NAMESPACE"]
 
 logger = logging.getLogger(__name__)
 
 HopHandler = Callable[[HopRequest], HopResponse]   # a decoded, validated request -> the answer
 StateProvider = Callable[[int], tuple[dict[str, Any], dict[str, torch.Tensor]]]
+InfoProvider = Callable[[], dict[str, Any]]
+INFO_NAMESPACE = "bt_info"
 UNARY_LIMIT_BYTES = 2_000_000  # hivemind's unary messages are capped at 4 MiB; stay well below
 DRAIN_TIMEOUT_S = 5.0
 
@@ -298,3 +301,25 @@ class BlockRPCServer:
             except Exception as e:  # the daemon may already be gone
                 logger.debug("removing handlers of block %d: %s", b, e)
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class InfoService(ServicerBase):
+    """What this node serves, asked by a member that was given only its address: ``rpc_info`` answers
+    ``{"v", "ok", "runs": [{"run_id", "seeder", "config_hash"}]}``. A member without a run id joins the
+    run its initial peer serves, not whatever a DHT-wide list says."""
+
+    def __init__(self, provider: InfoProvider):
+        self.provider = provider
+
+    async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        try:
+            return runtime_pb2.ExpertResponse(metadata=_ok_meta("", **self.provider()))
+        except Exception as e:   # a broken provider answers an error, never kills the service
+            logger.exception("info provider failed")
+            return error_response("internal", f"{type(e).__name__}: {e}")
+
+    @classmethod
+    async def serve(cls, p2p: P2P, provider: InfoProvider) -> "InfoService":
+        svc = cls(provider)
+        await svc.add_p2p_handlers(p2p, namespace=INFO_NAMESPACE)
+        return svc

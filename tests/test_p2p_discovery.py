@@ -153,7 +153,7 @@ def test_async_api_in_a_foreign_loop_and_sync_api_refuses_to_block_it():
 
     disc = Discovery.start(run_ids=["loop-test"])
     try:
-        manifest = RunManifest(run_id="loop-test", model_config={}, config_hash=HASH, data_spec="x", target_seed=0,
+        manifest = RunManifest(run_id="loop-test", model_config={}, config_hash=HASH, data_spec="wikitext-2", target_seed=0,
                                seeder_public_key=disc.public_key)
         ann = BlockAnnouncement(peer_id=disc.peer_id, block_index=0, state="online", step=1, samples_seen=0,
                                 throughput=1.0, serving=True, addresses=disc.visible_maddrs(),

@@ -58,10 +58,31 @@ def test_models_validate_and_round_trip(keys):
                 {"addresses": ["/ip4/1.2.3.4/tcp/1"] * 9}, {"throughput": float("inf")}):
         with pytest.raises(RecordError):
             BlockAnnouncement.from_wire({**x.to_wire(), **bad})
-    m = RunManifest(run_id=RUN, model_config={"d_model": 64}, config_hash=HASH, data_spec="bytes:x",
+    m = RunManifest(run_id=RUN, model_config={"d_model": 64}, config_hash=HASH, data_spec="wikitext-2",
                     target_seed=1, seeder_public_key=a.public_key.decode())
     assert m.to_wire()["model_config"] == {"d_model": 64}
     assert RunManifest.from_wire(m.to_wire()) == m
+    assert m.seeder == a.peer_id            # the seeder's record key is its libp2p identity
+    # a manifest may name a dataset or the sha256 of private data, never a path or a glob
+    ok = RunManifest.from_wire({**m.to_wire(), "data_spec": "sha256:" + "ab" * 32})
+    assert ok.data_spec.startswith("sha256:")
+    for path in ("/home/member/private", "data/*.txt", "../secrets", "~/notes", "C:\\x", "./wikitext-2", ""):
+        with pytest.raises(RecordError):
+            RunManifest.from_wire({**m.to_wire(), "data_spec": path})
+
+
+def test_run_addresses_parse_and_refuse_what_is_not_one():
+    from blocktrain.p2p.records import parse_run_address
+    pid = "QmRFu5xxEcFVMYRTUhdgsTEQYvek64166Dpvp1dHd8SpGk"
+    assert parse_run_address("demo").run_id == "demo" and parse_run_address("demo").seeder is None
+    a = parse_run_address(f"demo@{pid}")
+    assert (a.run_id, a.seeder, a.bootstrap) == ("demo", pid, None) and str(a) == f"demo@{pid}"
+    b = parse_run_address(f"demo@/ip4/10.0.0.5/tcp/31337/p2p/{pid}")
+    assert (b.run_id, b.seeder, b.bootstrap) == ("demo", pid, f"/ip4/10.0.0.5/tcp/31337/p2p/{pid}")
+    assert parse_run_address(None).run_id is None
+    for bad in ("bad run@" + pid, "demo@notapeer", "demo@/ip4/1.2.3.4/tcp/5", "demo@", "@" + pid):
+        with pytest.raises(RecordError):
+            parse_run_address(bad)
 
 
 def test_owner_signed_announcement_and_tombstone_are_accepted(keys):
@@ -130,7 +151,7 @@ def test_reader_drops_tombstones_impostors_and_other_configs(keys):
 
 def test_manifest_must_be_signed_by_its_seeder(keys):
     a, b = keys
-    m = RunManifest(run_id=RUN, model_config={}, config_hash=HASH, data_spec="x", target_seed=0,
+    m = RunManifest(run_id=RUN, model_config={}, config_hash=HASH, data_spec="wikitext-2", target_seed=0,
                     seeder_public_key=a.public_key.decode())
     rec = signed(manifest_key(RUN), owner_marker(a.record_key), m.to_wire(), a.record_key)
     assert honest(b.record_key).validate(rec)
@@ -140,4 +161,4 @@ def test_manifest_must_be_signed_by_its_seeder(keys):
     # B publishing a manifest that names A as seeder under B's own subkey: readers ignore it
     fake = ValueWithExpiration({owner_marker(b.record_key): ValueWithExpiration(m.to_wire(), exp)}, exp)
     assert parse_manifests(RUN, fake, None) == []
-    assert parse_manifests(RUN, ok, seeder=b.public_key.decode()) == []
+    assert parse_manifests(RUN, ok, seeder_public_key=b.public_key.decode()) == []

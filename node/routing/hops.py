@@ -11,6 +11,8 @@ field for field.
 """
 from __future__ import annotations
 
+import concurrent.futures
+
 import torch
 
 from blocktrain.blocks.chain import Hop, HopRequest, HopResult
@@ -38,8 +40,21 @@ def from_wire(req: wire.HopRequest) -> HopRequest:
 def call_remote(client: HopClient, peer: str, block_index: int, req: HopRequest,
                 timeout: float) -> tuple[HopResult, int, int]:
     """Run block ``block_index`` of ``req`` on ``peer``; returns (result, bytes sent, bytes received)."""
+    return start_remote(client, peer, block_index, req, timeout).result()
+
+
+def start_remote(client: HopClient, peer: str, block_index: int, req: HopRequest,
+                 timeout: float) -> concurrent.futures.Future:
+    """:func:`call_remote` without waiting: a future of (result, bytes sent, bytes received),
+    cancellable (the router races holders it has not measured yet)."""
     w = to_wire(block_index, req)
-    resp = client.forward_sync(peer, w, timeout=timeout)
+
+    async def run():
+        return _from_response(req, w, await client.forward(peer, w, timeout=timeout))
+    return client.loop.submit(run())
+
+
+def _from_response(req: HopRequest, w: wire.HopRequest, resp: wire.HopResponse) -> tuple[HopResult, int, int]:
     got = resp.state.numel() * resp.state.element_size()
     if resp.logits is not None:
         got += resp.logits.numel() * resp.logits.element_size()

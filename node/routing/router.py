@@ -2,14 +2,21 @@
 
 Any node answers a generation request (so does a client without a block): the router gives the
 objective one *hop* callable per block. A hop asks the block's holders in the order of this
-node's own measurements (``ranking.py``); a holder that errs, times out, or answers with a
-malformed or non-finite state is recorded as failed, banned for a while (``bans.py``), and the
-call moves on to the next one (bounded retries with backoff, one fresh DHT read when the known
-holders are exhausted). Blocks this node holds run in-process without a network call.
+node's own measurements (``ranking.py``), never in the order of what they claim. It asks one
+holder; if no answer came within a hedge delay (a few times the holder's measured latency, or
+``stranger_hedge_s`` for a holder never measured) it also asks the next one, up to
+``max_parallel`` at once, and takes the first valid answer (Dean and Barroso's hedged requests).
+A holder that errs, or answers a malformed or non-finite state, is recorded as failed and banned
+for a while (``bans.py``) and the next one is asked at once; a stranger that lost a race is
+recorded as slow. So 50 announced holders that fail or stall cost the first request some
+parallel tries, and later requests nothing: the holder that answered is first from then on.
+Every call is bounded by ``hop_timeout``; the holder list is read once more from the DHT when
+the known ones are exhausted. Blocks this node holds run in-process without a network call.
 Which block a *server* holds is decided elsewhere (``selection.py``).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,7 +24,7 @@ from typing import Callable
 
 from blocktrain.blocks.chain import Hop, HopRequest, HopResult
 from blocktrain.node.routing.bans import PeerBans
-from blocktrain.node.routing.hops import call_remote
+from blocktrain.node.routing.hops import start_remote
 from blocktrain.node.routing.ranking import HolderRanking
 from blocktrain.p2p.errors import HopError
 
@@ -43,12 +50,12 @@ class RouteLog:
 class Router:
     def __init__(self, discovery, client, run_id: str, n_blocks: int, *,
                  local_hops: dict[int, Hop] | None = None, self_peer: str = "",
-                 hop_timeout: float = 20.0, max_attempts: int = 4, backoff: float = 0.2,
+                 hop_timeout: float = 20.0, max_parallel: int = 4, stranger_hedge_s: float = 0.5,
                  bans: PeerBans | None = None, ranking: HolderRanking | None = None):
         self.discovery, self.client, self.run_id, self.n_blocks = discovery, client, run_id, n_blocks
         self.local_hops = dict(local_hops or {})
         self.self_peer = self_peer
-        self.hop_timeout, self.max_attempts, self.backoff = hop_timeout, max_attempts, backoff
+        self.hop_timeout, self.max_parallel, self.stranger_hedge_s = hop_timeout, max_parallel, stranger_hedge_s
         self.bans = bans or PeerBans()
         self.ranking = ranking or HolderRanking()
 
@@ -62,8 +69,14 @@ class Router:
         """One hop per block; each discovers its holders lazily and fails over on its own."""
         return [self._hop_for(b, route) for b in range(self.n_blocks)]
 
+    def hedge_delay(self, peer: str) -> float:
+        known = self.ranking.known(peer)
+        if known is None or known.latency_s is None:
+            return self.stranger_hedge_s
+        return min(self.hop_timeout, max(0.25, 4.0 * known.latency_s))
+
     def _hop_for(self, b: int, route: RouteLog):
-        cache: list[str] = []
+        known: list[str] = []   # this generation's holder list, read from the DHT once
 
         def call(req: HopRequest) -> HopResult:
             if b in self.local_hops:
@@ -71,34 +84,65 @@ class Router:
                 route.hops[b] = self.self_peer or "self"
                 route.calls += 1
                 return out
-            tried: set[str] = set()
-            refreshed = False
-            for attempt in range(self.max_attempts + 1):
-                if not cache:
-                    cache.extend(self.candidates(b, self.bans.banned() | tried))
-                    refreshed = True
-                if not cache:
-                    break
-                peer = cache[0]
-                t0 = time.perf_counter()
-                try:
-                    out, sent, got = call_remote(self.client, peer, b, req, self.hop_timeout)
-                except (HopError, ValueError, OSError) as e:
-                    tried.add(peer)
-                    cache.pop(0)
-                    self.ranking.record_failure(peer, str(e))
-                    self.bans.ban(peer, f"block {b}: {e}")
-                    route.failovers += 1
-                    time.sleep(min(self.backoff * (2 ** attempt), 2.0))
-                    if not cache and refreshed and attempt >= 1:
-                        cache.extend(self.candidates(b, self.bans.banned() | tried))
-                    continue
-                self.ranking.record_success(peer, time.perf_counter() - t0)
-                route.hops[b] = peer
-                route.calls += 1
-                route.bytes_out += sent
-                route.bytes_in += got
-                return out
-            raise NoLiveHolderError(f"block {b} has no live holder" +
-                                    (f" (tried {len(tried)} that failed)" if tried else ""))
+            return self._race(b, req, route, known)
         return call
+
+    def _race(self, b: int, req: HopRequest, route: RouteLog, known: list[str]) -> HopResult:
+        deadline = time.monotonic() + self.hop_timeout
+        tried: set[str] = set()
+        failed = 0
+        refreshed = not known
+        if not known:
+            known.extend(self.candidates(b, self.bans.banned()))
+        queue = [p for p in self.ranking.order(known) if not self.bans.is_banned(p)]
+        inflight: dict[concurrent.futures.Future, tuple[str, float]] = {}
+        next_launch = 0.0
+        try:
+            while True:
+                now = time.monotonic()
+                if now >= deadline:
+                    break
+                if not queue and not inflight and not refreshed:   # one fresh read of the DHT
+                    refreshed = True
+                    fresh = self.candidates(b, self.bans.banned() | tried)
+                    known[:] = list(dict.fromkeys([*known, *fresh]))
+                    queue = fresh
+                if not queue and not inflight:
+                    break
+                if queue and len(inflight) < self.max_parallel and (not inflight or now >= next_launch):
+                    peer = queue.pop(0)
+                    tried.add(peer)
+                    inflight[start_remote(self.client, peer, b, req, deadline - now)] = (peer, now)
+                    next_launch = now + self.hedge_delay(peer)
+                    continue
+                wait = deadline - now if not queue or len(inflight) >= self.max_parallel else next_launch - now
+                done, _ = concurrent.futures.wait(list(inflight), timeout=max(0.0, wait),
+                                                  return_when=concurrent.futures.FIRST_COMPLETED)
+                for fut in done:
+                    peer, t0 = inflight.pop(fut)
+                    try:
+                        out, sent, got = fut.result()
+                    except (HopError, ValueError, OSError, concurrent.futures.CancelledError) as e:
+                        failed += 1
+                        route.failovers += 1
+                        self.ranking.record_failure(peer, str(e))
+                        self.bans.ban(peer, f"block {b}: {e}")
+                        next_launch = 0.0   # ask the next holder now
+                        continue
+                    self.ranking.record_success(peer, time.monotonic() - t0)
+                    self.bans.forgive([peer])
+                    route.hops[b] = peer
+                    route.calls += 1
+                    route.bytes_out += sent
+                    route.bytes_in += got
+                    return out
+        finally:
+            for fut, (peer, _) in inflight.items():   # lost the race or ran out of time
+                fut.cancel()
+                if self.ranking.known(peer) is None or time.monotonic() >= deadline:
+                    self.ranking.record_failure(peer, "no answer in time")
+        timed_out = time.monotonic() >= deadline
+        raise NoLiveHolderError(f"block {b} has no live holder" +
+                                (f" (tried {len(tried)}: {failed} failed" + (
+                                    f", no answer within {self.hop_timeout:.0f}s)" if timed_out else ")")
+                                 if tried else ""))

@@ -150,7 +150,8 @@ class LocalSwarm:
     def start_join(self, block: int | None = None, args: list[str] = (), wait: bool = True,
                    name: str | None = None, workdir: Path | None = None) -> NodeProc:
         name = name or f"node{len(self.nodes)}"
-        a = ["join", "--initial-peers", self.seed_maddr, "--run-id", self.run_id, *self.extra, *args]
+        a = ["join", "--initial-peers", self.seed_maddr, "--run-id", self.run_id, "--data", self.data,
+             *self.extra, *args]
         if block is not None:
             a += ["--block", str(block)]
         n = NodeProc(name, a, workdir or self.base / name, free_port())

@@ -59,7 +59,8 @@ class RelSwarm(LocalSwarm):
         """``fault``: run the node through tests/test_utils/faulty_node.py, answering every hop with
         that poison (nan_hops, inf_hops, shape_hops)."""
         name = name or f"node{len(self.nodes)}"
-        a = ["join", "--initial-peers", self.seed_maddr, "--run-id", self.run_id, *self.extra, *args]
+        a = ["join", "--initial-peers", self.seed_maddr, "--run-id", self.run_id, "--data", self.data,
+             *self.extra, *args]
         if block is not None:
             a += ["--block", str(block)]
         n = NodeProc(name, a, self.base / name, free_port(),

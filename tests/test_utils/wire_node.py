@@ -106,7 +106,7 @@ class ControlledNode:
         if cmd == "publish_manifest":
             self.disc.publish_manifest(RunManifest(
                 run_id=run, model_config=c.get("model_config", {}), config_hash=c["config_hash"],
-                data_spec=c.get("data_spec", "bytes:test"), target_seed=c.get("target_seed", 0),
+                data_spec=c.get("data_spec", "wikitext-2"), target_seed=c.get("target_seed", 0),
                 seeder_public_key=self.disc.public_key,
             ))
             return None
