@@ -4,7 +4,7 @@ one range of masking rates per block (issue 8, candidate a).
 Sources: BD3-LM "block diffusion" (Arriola et al. 2025, arXiv 2503.09573) for the chunked model,
 the [noisy || clean] training layout and the block-causal mask; MDLM (Sahoo et al. 2024) for the
 masked-diffusion ELBO; DiffusionBlocks (arXiv 2506.14202), masked variant, for giving each network
-block its own range of the diffusion time. The network lives in ``chunked_masked_net.py``.
+block its own range of the diffusion time. The network lives in ``net.py``.
 
 Model. A window's targets y_0..y_{T-1} (y_i = x_{i+1}, x_0 is given as in the AR reference) are
 cut into chunks of k = ``cfg.chunk_len`` (the last may be shorter, of length k_c). Chunk c is
@@ -68,11 +68,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..chain import Hop, HopRequest, HopResult
-from ..config import ConfigError, ModelConfig
-from .base import Objective, ScoreResult, sample_bytes
-from .chunked_masked_net import MASK_ID, ChunkedMaskedNet, chunk_ids, clean_len
-from .common import autocast, stratified_uniform
+from ...chain import Hop, HopRequest, HopResult
+from ...config import ConfigError, ModelConfig
+from ..base import Objective, ScoreResult, sample_bytes
+from .net import MASK_ID, ChunkedMaskedNet, chunk_ids, clean_len
+from ..common import autocast, stratified_uniform
 
 REVEAL_ORDERS = ("random", "left-to-right")
 SCORE_MICROBATCH = 16

@@ -17,35 +17,16 @@ nothing between blocks.
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..chain import Hop, HopRequest, HopResult, euler_step, traverse
-from ..config import ModelConfig
-from ..denoiser import BlockDenoiser
-from ..precond import EDMPrecond
-from ..schedule import NoiseSchedule, edm_loss_weight
-from ..target import TargetEmbedding
-from .base import Objective, ScoreResult, sample_bytes
-from .common import autocast, prepare_prompt
-
-
-class PaperBlock(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.sigma_data = cfg.sigma_data
-        self.precond = EDMPrecond(BlockDenoiser(cfg, out_dim=cfg.target_dim), cfg.sigma_data)
-        self.target = TargetEmbedding(cfg)
-        self.logit_scale = nn.Parameter(torch.zeros(()))
-        self.logit_bias = nn.Parameter(torch.zeros(cfg.vocab_size))
-
-    def forward(self, z: torch.Tensor, sigma: torch.Tensor, context: torch.Tensor):
-        d = self.precond(z, sigma, context)
-        weight = self.target.table.to(d.dtype) * (self.logit_scale.exp() / self.sigma_data**2)
-        logits = F.linear(d, weight, self.logit_bias)   # one fused op: one saved activation
-        return d, logits
+from ...chain import Hop, HopRequest, HopResult, euler_step, traverse
+from ...config import ModelConfig
+from ..base import Objective, ScoreResult, sample_bytes
+from ..common import autocast, prepare_prompt
+from .net import PaperBlock
+from .schedule import NoiseSchedule, edm_loss_weight
 
 
 class PaperHop:

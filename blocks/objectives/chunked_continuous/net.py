@@ -1,6 +1,6 @@
 """The network of one ``chunked-continuous`` block, and the posterior it is wrapped in.
 
-Layout as ``chunked_masked_net`` ([noisy || clean] streams, block-causal mask, BD3-LM): chunk c of
+Layout as chunked-masked's network (``../chunked_masked/net.py``) ([noisy || clean] streams, block-causal mask, BD3-LM): chunk c of
 the noisy stream attends to itself (bidirectionally) and to the clean chunks before it, so every
 chunk of a window is denoised in one pass and chunk c reads only its own noisy state and
 x_0..x_{c*k}. The noisy stream carries continuous states instead of byte ids:
@@ -26,10 +26,10 @@ import math
 import torch
 from torch import nn
 
-from ..config import ModelConfig
-from ..layers import NoiseEmbedding, init_weights
-from ..target import TargetEmbedding
-from .chunked_masked_net import MASK_ID, ChunkedMaskedNet
+from ...config import ModelConfig
+from ...layers import NoiseEmbedding, init_weights
+from ...target import TargetEmbedding
+from ..chunked_masked.net import MASK_ID, ChunkedMaskedNet
 
 NO_BYTE = MASK_ID      # the "previous byte" id of a position whose previous byte is noisy
 

@@ -22,44 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..chain import Hop, HopRequest, HopResult
-from ..config import ModelConfig
-from ..layers import TransformerLayer, init_weights
-from .base import Objective, ScoreResult, sample_bytes
-from .common import autocast, prepare_prompt
-
-
-class ForwardChainedBlock(nn.Module):
-    """``layers_per_block`` pre-LN Transformer layers on the residual stream, plus a local head."""
-
-    def __init__(self, cfg: ModelConfig, b: int):
-        super().__init__()
-        d = cfg.d_model
-        self.first = b == 0
-        if self.first:
-            self.byte_emb = nn.Embedding(cfg.vocab_size, d)
-            self.pos_emb = nn.Embedding(cfg.seq_len, d)
-        self.layers = nn.ModuleList(
-            TransformerLayer(d, cfg.n_heads, cfg.mlp_ratio, cfg.dropout) for _ in range(cfg.layers_per_block))
-        self.norm_out = nn.LayerNorm(d)
-        self.head = nn.Linear(d, cfg.vocab_size)
-        init_weights(self)
-
-    def stream(self, h: torch.Tensor | None, context: torch.Tensor) -> torch.Tensor:
-        """The block's output state: h_b from h_{b-1} (block 0: from the bytes)."""
-        if self.first:
-            pos = torch.arange(context.shape[1], device=context.device)
-            h = self.byte_emb(context) + self.pos_emb(pos)
-        for layer in self.layers:
-            h = layer(h)
-        return h
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm_out(h))
-
-    def forward(self, h: torch.Tensor | None, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        h = self.stream(h, context)
-        return h, self.logits(h)
+from ...chain import Hop, HopRequest, HopResult
+from ..base import Objective, ScoreResult, sample_bytes
+from ..common import autocast, prepare_prompt
+from .net import ForwardChainedBlock
 
 
 class ForwardChainedHop:
