@@ -21,11 +21,19 @@ class HopRequest:
     sigma_next: torch.Tensor   # (N,) noise level to step to
     want_logits: bool = False
 
+    def to(self, device: torch.device | str) -> "HopRequest":
+        """The same request with its tensors on ``device`` (dtypes unchanged)."""
+        return HopRequest(self.state.to(device), self.context.to(device), self.sigma.to(device),
+                          self.sigma_next.to(device), self.want_logits)
+
 
 @dataclass
 class HopResult:
     state: torch.Tensor                 # (N, T, D) at sigma_next
     logits: torch.Tensor | None = None  # (N, T, V) next-byte logits computed at sigma
+
+    def to(self, device: torch.device | str) -> "HopResult":
+        return HopResult(self.state.to(device), None if self.logits is None else self.logits.to(device))
 
 
 class Hop(Protocol):

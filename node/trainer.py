@@ -139,13 +139,8 @@ class BlockTrainer:
 
     # -- serving --------------------------------------------------------------------------------
     def hop(self, req: HopRequest) -> HopResult:
-        with self.lock:
-            was = self.module.training
-            self.module.eval()
-            try:
-                return self._hop(req)
-            finally:
-                self.module.train(was)
+        with self.lock:   # the hop runs the module in eval mode and restores its mode
+            return self._hop(req)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:

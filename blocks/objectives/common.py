@@ -1,17 +1,7 @@
 """Small helpers shared by objectives."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
-
-
-def autocast(device: torch.device | str):
-    """bf16 autocast on CUDA; plain fp32 elsewhere."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def prepare_prompt(prompt: bytes, n_bytes: int, seq_len: int, *, one_sweep: bool) -> bytes:

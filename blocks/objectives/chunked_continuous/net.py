@@ -85,8 +85,9 @@ class ChunkedContinuousBlock(nn.Module):
         return prior + likelihood
 
     def denoise(self, logits: torch.Tensor) -> torch.Tensor:
-        """Posterior mean of the clean embedding, (N, T, 256) -> (N, T, D)."""
-        return torch.softmax(logits.float(), dim=-1) @ self.target.table.float()
+        """Posterior mean of the clean embedding, (N, T, 256) -> (N, T, D), in fp32 under any autocast."""
+        with torch.autocast(logits.device.type, enabled=False):
+            return torch.softmax(logits.float(), dim=-1) @ self.target.table.float()
 
 
 def log_uniform(lo: float, hi: float, u: torch.Tensor) -> torch.Tensor:

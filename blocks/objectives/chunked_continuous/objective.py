@@ -50,6 +50,7 @@ before every hop.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -58,12 +59,14 @@ from torch import nn
 
 from ...chain import Hop, HopRequest, HopResult, euler_step
 from ...config import ConfigError, ModelConfig
+from ...device import autocast
+from ...hop import LocalHop
 from ...target import target_table
 from ..base import Objective, ScoreResult
 from ..chunked_masked.objective import aligned_history, fit_history
 from ..chunked_masked.net import chunk_ids, clean_len
 from .net import ChunkedContinuousBlock, log_uniform
-from ..common import autocast, stratified_uniform
+from ..common import stratified_uniform
 
 SCORE_MICROBATCH = 16
 DEFAULT_SIGMA_MAX, DEFAULT_SIGMA_MIN = 20.0, 0.02
@@ -95,39 +98,29 @@ def substep_sigmas(sigma: torch.Tensor, sigma_next: torch.Tensor, n: int) -> tor
     return torch.exp(torch.log(sigma.double()) * (1 - frac) + torch.log(sigma_next.double()) * frac)
 
 
-class ChunkedContinuousHop:
-    """Runs one block as a hop: Euler substeps from sigma to sigma_next; logits at sigma.
+def chunked_continuous_step(block: ChunkedContinuousBlock, req: HopRequest, *, log_range: float,
+                            steps: int) -> HopResult:
+    """Hop math: Euler substeps from sigma down to sigma_next; the logits at sigma.
 
-    The number of substeps is m * ln(sigma/sigma_next) / ln(s_b/s_{b+1}) rounded (at least 1), so a
-    chain request over the block's whole range takes m substeps and a scoring request over one
-    substep takes one forward."""
-
-    def __init__(self, block: ChunkedContinuousBlock, log_range: float, steps: int):
-        self.block, self.log_range, self.steps = block, log_range, steps
-
-    @torch.no_grad()
-    def __call__(self, req: HopRequest) -> HopResult:
-        dev = next(self.block.parameters()).device
-        z = req.state.to(dev, torch.float32)
-        ctx = req.context.to(dev).long()
-        sigma, sigma_next = req.sigma.to(dev).float(), req.sigma_next.to(dev).float()
-        if not (bool(torch.isfinite(z).all()) and bool((sigma > 0).all()) and bool((sigma_next > 0).all())
-                and bool((sigma_next <= sigma).all())):
-            raise ValueError("chunked-continuous hop needs a finite state and 0 < sigma_next <= sigma")
-        ratio = float(torch.log(sigma / sigma_next).max())
-        n_sub = max(1, round(self.steps * ratio / self.log_range)) if ratio > 0 else 1
-        levels = substep_sigmas(sigma, sigma_next, n_sub).float()
-        logits_out = None
-        t_len = z.shape[1]
-        for j in range(n_sub):
-            t, s = levels[j], levels[j + 1]
-            with autocast(dev):
-                logits = self.block(ctx, z, t.view(-1, 1).expand(-1, t_len))
-            if j == 0 and req.want_logits:
-                logits_out = logits.float()
-            z = euler_step(z, self.block.denoise(logits), t, s)
-        out_dev = req.state.device
-        return HopResult(z.to(out_dev, req.state.dtype), logits_out.to(out_dev) if logits_out is not None else None)
+    The number of substeps is ``steps`` * ln(sigma/sigma_next) / ``log_range`` (the block's
+    ln(s_b/s_{b+1})) rounded, at least 1: a chain request over the block's whole range takes
+    ``steps`` substeps and a scoring request over one substep takes one forward."""
+    z, ctx = req.state.float(), req.context.long()
+    sigma, sigma_next = req.sigma.float(), req.sigma_next.float()
+    if not (bool(torch.isfinite(z).all()) and bool((sigma > 0).all()) and bool((sigma_next > 0).all())
+            and bool((sigma_next <= sigma).all())):
+        raise ValueError("chunked-continuous hop needs a finite state and 0 < sigma_next <= sigma")
+    ratio = float(torch.log(sigma / sigma_next).max())
+    n_sub = max(1, round(steps * ratio / log_range)) if ratio > 0 else 1
+    levels = substep_sigmas(sigma, sigma_next, n_sub).float()
+    logits_out = None
+    for j in range(n_sub):
+        t, s = levels[j], levels[j + 1]
+        logits = block(ctx, z, t.view(-1, 1).expand(-1, z.shape[1]))
+        if j == 0 and req.want_logits:
+            logits_out = logits.float()
+        z = euler_step(z, block.denoise(logits), t, s)
+    return HopResult(z.to(req.state.dtype), logits_out)
 
 
 class ChunkedContinuousObjective(Objective):
@@ -201,7 +194,8 @@ class ChunkedContinuousObjective(Objective):
     # -- the chain ----------------------------------------------------------------------------------
     def make_hop(self, block, b) -> Hop:
         lo, hi = self.sigma_range(b)
-        return ChunkedContinuousHop(block, math.log(hi / lo), self.steps)
+        return LocalHop(block, functools.partial(chunked_continuous_step, log_range=math.log(hi / lo),
+                                                 steps=self.steps))
 
     def _hop_logits_fn(self, hop: Hop, t: torch.Tensor, s: torch.Tensor):
         """A (ctx, z, sigma_pos) -> logits callable that runs one substep of a hop (per-sample t -> s)."""

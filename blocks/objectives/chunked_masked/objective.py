@@ -70,9 +70,11 @@ from torch import nn
 
 from ...chain import Hop, HopRequest, HopResult
 from ...config import ConfigError, ModelConfig
+from ...device import autocast
+from ...hop import LocalHop
 from ..base import Objective, ScoreResult, sample_bytes
 from .net import MASK_ID, ChunkedMaskedNet, chunk_ids, clean_len
-from ..common import autocast, stratified_uniform
+from ..common import stratified_uniform
 
 REVEAL_ORDERS = ("random", "left-to-right")
 SCORE_MICROBATCH = 16
@@ -136,25 +138,16 @@ def fit_history(hist: list[int], kk: int, k: int, seq_len: int) -> list[int]:
     return hist
 
 
-class ChunkedMaskedHop:
-    """Runs one block as a hop: logits at every position and the state at the next rate."""
-
-    def __init__(self, block: ChunkedMaskedNet):
-        self.block = block
-
-    @torch.no_grad()
-    def __call__(self, req: HopRequest) -> HopResult:
-        dev = next(self.block.parameters()).device
-        ids = req.state[..., 0].float().round().long().clamp(0, MASK_ID).to(dev)
-        tau = req.state[..., 1].float().to(dev)
-        with autocast(dev):
-            logits = self.block(req.context.to(dev).long(), ids).float()
-        reveal = (ids == MASK_ID) & (tau >= req.sigma_next.to(dev).float().view(-1, 1))
-        new_ids = torch.where(reveal, logits.argmax(-1), ids)
-        out_dev = req.state.device
-        state = req.state.clone()
-        state[..., 0] = new_ids.to(out_dev, state.dtype)
-        return HopResult(state, logits.to(out_dev) if req.want_logits else None)
+def chunked_masked_step(block: ChunkedMaskedNet, req: HopRequest) -> HopResult:
+    """Hop math: logits at every position, and the state at the next rate (the masked positions
+    with tau >= t_next revealed, greedily)."""
+    ids = req.state[..., 0].float().round().long().clamp(0, MASK_ID)
+    tau = req.state[..., 1].float()
+    logits = block(req.context.long(), ids).float()
+    reveal = (ids == MASK_ID) & (tau >= req.sigma_next.float().view(-1, 1))
+    state = req.state.clone()
+    state[..., 0] = torch.where(reveal, logits.argmax(-1), ids).to(state.dtype)
+    return HopResult(state, logits if req.want_logits else None)
 
 
 class ChunkedMaskedObjective(Objective):
@@ -238,7 +231,7 @@ class ChunkedMaskedObjective(Objective):
 
     # -- the chain ----------------------------------------------------------------------------------
     def make_hop(self, block, b) -> Hop:
-        return ChunkedMaskedHop(block)
+        return LocalHop(block, chunked_masked_step)
 
     def _rate_pair(self, b: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.rates[b].float().expand(n).contiguous().to(device)

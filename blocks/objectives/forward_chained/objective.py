@@ -23,25 +23,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...chain import Hop, HopRequest, HopResult
+from ...device import autocast
+from ...hop import LocalHop, inference
 from ..base import Objective, ScoreResult, sample_bytes
-from ..common import autocast, prepare_prompt
+from ..common import prepare_prompt
 from .net import ForwardChainedBlock
 
 
-class ForwardChainedHop:
-    def __init__(self, block: ForwardChainedBlock):
-        self.block = block
-
-    @torch.no_grad()
-    def __call__(self, req: HopRequest) -> HopResult:
-        dev = next(self.block.parameters()).device
-        ctx = req.context.to(dev)
-        h_in = None if self.block.first else req.state.to(dev, torch.float32)
-        with autocast(dev):
-            h = self.block.stream(h_in, ctx)
-            logits = self.block.logits(h) if req.want_logits else None
-        out = req.state.device
-        return HopResult(h.float().to(out), logits.float().to(out) if logits is not None else None)
+def forward_chained_step(block: ForwardChainedBlock, req: HopRequest) -> HopResult:
+    """Hop math: h_b from h_{b-1} (block 0 reads only the bytes); the logits through block b's head."""
+    h = block.stream(None if block.first else req.state.float(), req.context)
+    return HopResult(h.float(), block.logits(h).float() if req.want_logits else None)
 
 
 class ForwardChainedObjective(Objective):
@@ -60,16 +52,13 @@ class ForwardChainedObjective(Objective):
     def upstream_blocks(self, b: int) -> int:
         return b
 
-    @torch.no_grad()
     def upstream_state(self, upstream: Sequence[nn.Module], context: torch.Tensor) -> torch.Tensor | None:
-        """h_{b-1}: the snapshots of blocks 0..b-1 run in order on ``context`` (None for block 0)."""
+        """h_{b-1}: the snapshots of blocks 0..b-1 run in order on ``context`` (None for block 0), with no
+        gradient, each in eval mode (its mode restored afterwards)."""
         h = None
         for m in upstream:
-            was = m.training
-            m.eval()
-            with autocast(context.device):
+            with inference(m):
                 h = m.stream(h, context)
-            m.train(was)
         return None if h is None else h.float()
 
     def _check_upstream(self, b: int, upstream) -> Sequence[nn.Module]:
@@ -88,7 +77,7 @@ class ForwardChainedObjective(Objective):
         return ce, {"ce": float(ce.detach())}
 
     def make_hop(self, block, b) -> Hop:
-        return ForwardChainedHop(block)
+        return LocalHop(block, forward_chained_step)
 
     def _run(self, hops, ctx: torch.Tensor, logits_from: str = "last") -> list[torch.Tensor]:
         """One traversal; the logits of every hop when ``logits_from`` is "all"."""

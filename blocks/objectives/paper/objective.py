@@ -23,26 +23,20 @@ from torch import nn
 
 from ...chain import Hop, HopRequest, HopResult, euler_step, traverse
 from ...config import ModelConfig
+from ...device import autocast
+from ...hop import LocalHop
 from ..base import Objective, ScoreResult, sample_bytes
-from ..common import autocast, prepare_prompt
+from ..common import prepare_prompt
 from .net import PaperBlock
 from .schedule import NoiseSchedule, edm_loss_weight
 
 
-class PaperHop:
-    def __init__(self, block: PaperBlock):
-        self.block = block
-
-    @torch.no_grad()
-    def __call__(self, req: HopRequest) -> HopResult:
-        dev = next(self.block.parameters()).device
-        z = req.state.to(dev, torch.float32)
-        sigma, sigma_next = req.sigma.to(dev, torch.float32), req.sigma_next.to(dev, torch.float32)
-        with autocast(dev):
-            d, logits = self.block(z, sigma, req.context.to(dev))
-        z_next = euler_step(z, d.float(), sigma, sigma_next)
-        out_dev = req.state.device
-        return HopResult(z_next.to(out_dev), logits.float().to(out_dev) if req.want_logits else None)
+def paper_step(block: PaperBlock, req: HopRequest) -> HopResult:
+    """Hop math: denoise at sigma, one Euler step to sigma_next; the logits are read at sigma."""
+    z, sigma, sigma_next = req.state.float(), req.sigma.float(), req.sigma_next.float()
+    d, logits = block(z, sigma, req.context)
+    z_next = euler_step(z, d.float(), sigma, sigma_next)
+    return HopResult(z_next, logits.float() if req.want_logits else None)
 
 
 class PaperObjective(Objective):
@@ -79,7 +73,7 @@ class PaperObjective(Objective):
         return loss, {"ce": float(ce.detach().mean()), "sigma_mean": float(sigma.mean())}
 
     def make_hop(self, block, b) -> Hop:
-        return PaperHop(block)
+        return LocalHop(block, paper_step)
 
     def _start_state(self, n: int, t: int, generator, device) -> torch.Tensor:
         eps = torch.randn(n, t, self.cfg.target_dim, generator=generator)
