@@ -90,11 +90,7 @@ class Objective(ABC):
     def local_hops(self, blocks: Sequence[nn.Module]) -> list[Hop]:
         return [self.make_hop(m, b) for b, m in enumerate(blocks)]
 
+    def check_hops(self, hops: Sequence[Hop]) -> None:
+        if len(hops) != self.cfg.n_blocks:
+            raise ValueError(f"{len(hops)} hops, but the config has n_blocks = {self.cfg.n_blocks}")
 
-def sample_bytes(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
-    """Greedy at temperature 0, else a categorical sample; logits (..., V) -> (...) long."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])

@@ -57,18 +57,17 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ...chain import Hop, HopRequest, HopResult, euler_step
+from ...chain import Hop, HopRequest, HopResult, ask_logits, euler_step, traverse
 from ...config import ConfigError, ModelConfig
-from ...device import autocast
+from ...device import autocast, module_device
 from ...hop import LocalHop
 from ...target import target_table
+from ...sampling import Chunk, byte_by_byte, generate_chunks, hop_terms, microbatches
 from ..base import Objective, ScoreResult
-from ..chunked_masked.objective import aligned_history, fit_history
 from ..chunked_masked.net import chunk_ids, clean_len
 from .net import ChunkedContinuousBlock, log_uniform
 from ..common import stratified_uniform
 
-SCORE_MICROBATCH = 16
 DEFAULT_SIGMA_MAX, DEFAULT_SIGMA_MIN = 20.0, 0.02
 DEFAULT_INNER = (1.2, 0.3)           # inner bounds geometric between these (where the bound lives)
 DEFAULT_STEPS_PER_HOP = 64
@@ -123,6 +122,16 @@ def chunked_continuous_step(block: ChunkedContinuousBlock, req: HopRequest, *, l
     return HopResult(z.to(req.state.dtype), logits_out)
 
 
+def imposing(hop: Hop, start: int, rows: torch.Tensor, eps: torch.Tensor) -> Hop:
+    """The hop, but first the known bytes at positions start.. (their target ``rows``) replace the
+    state, noised to the hop's level: z = e(y) + sigma * eps (replacement sampling)."""
+    def call(req: HopRequest) -> HopResult:
+        z = req.state.clone()
+        z[0, start:start + len(rows)] = rows + float(req.sigma[0]) * eps
+        return hop(HopRequest(z, req.context, req.sigma, req.sigma_next, req.want_logits))
+    return call
+
+
 class ChunkedContinuousObjective(Objective):
     name = "chunked-continuous"
     ce_kind = "bound"
@@ -172,7 +181,7 @@ class ChunkedContinuousObjective(Objective):
     def segment_terms(self, logits_fn, windows: torch.Tensor, sigma_pos: torch.Tensor,
                       eps: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """(N, T) weight * |e(y_i) - D_i|^2, D the posterior mean of ``logits_fn(ctx, z, sigma)`` (a block,
-        or a hop wrapped by ``_hop_logits_fn``) at z = e(y) + sigma * eps."""
+        or one substep of a hop: ``_one_substep_nats``) at z = e(y) + sigma * eps."""
         ctx, y = windows[:, :-1], windows[:, 1:]
         x = self.table.to(windows.device)[y]
         z = x + sigma_pos.float().unsqueeze(-1) * eps
@@ -197,15 +206,6 @@ class ChunkedContinuousObjective(Objective):
         return LocalHop(block, functools.partial(chunked_continuous_step, log_range=math.log(hi / lo),
                                                  steps=self.steps))
 
-    def _hop_logits_fn(self, hop: Hop, t: torch.Tensor, s: torch.Tensor):
-        """A (ctx, z, sigma_pos) -> logits callable that runs one substep of a hop (per-sample t -> s)."""
-        def run(ctx, z, sigma_pos):
-            out = hop(HopRequest(z, ctx, t, s, want_logits=True))
-            if out.logits is None:
-                raise RuntimeError("a hop returned no logits although they were requested")
-            return out.logits
-        return run
-
     def reconstruction_nats(self, y: torch.Tensor, generator) -> float:
         """Sum over y's bytes of -log p(y | z_min) under the exact Gaussian decoder (one draw)."""
         s = float(self.sigmas[-1])
@@ -214,28 +214,34 @@ class ChunkedContinuousObjective(Objective):
         logp = torch.log_softmax((z @ self.table.T).double() / s**2, -1)
         return float(-logp.gather(-1, y.cpu().unsqueeze(-1)).sum())
 
+    def _one_substep_nats(self, hop: Hop, b: int, w: torch.Tensor, t: torch.Tensor, s: torch.Tensor,
+                          weight: torch.Tensor, generator) -> float:
+        """Sum over windows w of ``segment_terms`` with D from ONE substep of hop b from t to s
+        (per window, float64), at z = e(y) + t * eps with fresh eps."""
+        nb, t_len = w.shape[0], w.shape[1] - 1
+        eps = torch.randn(nb, t_len, self.cfg.target_dim, generator=generator).to(w.device)
+        t, s = t.float().to(w.device), s.float().to(w.device)
+
+        def logits(ctx, z, _sigma_pos):
+            return ask_logits(hop, HopRequest(z, ctx, t, s), b).logits
+        weight = weight.float().to(w.device).view(-1, 1)
+        return float(self.segment_terms(logits, w, t.view(-1, 1).expand(nb, t_len), eps, weight).double().sum())
+
     @torch.no_grad()
     def discrete_bound(self, hops: Sequence[Hop], windows: torch.Tensor, draws: int,
                        generator: torch.Generator | None = None) -> dict:
         """The chain's B*m-step ancestral ELBO on windows (N, T+1), nats/byte (module docstring)."""
         n, t_len = windows.shape[0], windows.shape[1] - 1
-        dev = windows.device
         per_draw, terms = [], torch.zeros(len(hops), dtype=torch.float64)
         for _ in range(max(1, draws)):
             total = 0.0
-            for i in range(0, n, SCORE_MICROBATCH):
-                w = windows[i:i + SCORE_MICROBATCH]
-                nb = w.shape[0]
-                for b, hop in enumerate(hops):
+            for w in microbatches(windows):
+                for b, hop in enumerate(hops):     # one substep j of hop b's m, per window
                     lo, hi = float(self.sigmas[b + 1]), float(self.sigmas[b])
-                    j = (stratified_uniform(nb, generator) * self.steps).long()
+                    j = (stratified_uniform(w.shape[0], generator) * self.steps).long()
                     t = hi * (lo / hi) ** (j.double() / self.steps)
                     s = hi * (lo / hi) ** ((j + 1).double() / self.steps)
-                    weight = (self.steps * 0.5 * (1 / s**2 - 1 / t**2)).float().to(dev).view(-1, 1)
-                    eps = torch.randn(nb, t_len, self.cfg.target_dim, generator=generator).to(dev)
-                    sig_pos = t.float().to(dev).view(-1, 1).expand(nb, t_len)
-                    fn = self._hop_logits_fn(hop, t.float().to(dev), s.float().to(dev))
-                    v = float(self.segment_terms(fn, w, sig_pos, eps, weight).double().sum())
+                    v = self._one_substep_nats(hop, b, w, t, s, self.steps * 0.5 * (1 / s**2 - 1 / t**2), generator)
                     terms[b] += v
                     total += v
                 total += self.reconstruction_nats(w[:, 1:], generator)
@@ -250,29 +256,20 @@ class ChunkedContinuousObjective(Objective):
                          generator: torch.Generator | None = None) -> tuple[float, list[float]]:
         """Held-out continuous bound: prior + sum_b L_b (through hop b, one draw) + reconstruction."""
         n, t_len = windows.shape[0], windows.shape[1] - 1
-        dev = windows.device
-        losses = []
-        for b, hop in enumerate(hops):
+
+        def term(b: int, hop: Hop, w: torch.Tensor) -> float:
             lo, hi = self.sigma_range(b)
-            total = 0.0
-            for i in range(0, n, SCORE_MICROBATCH):
-                w = windows[i:i + SCORE_MICROBATCH]
-                nb = w.shape[0]
-                t = log_uniform(lo, hi, stratified_uniform(nb, generator))
-                weight = (math.log(hi / lo) / t**2).float().to(dev).view(-1, 1)
-                eps = torch.randn(nb, t_len, self.cfg.target_dim, generator=generator).to(dev)
-                # a request with sigma_next = sigma takes one forward at exactly t
-                fn = self._hop_logits_fn(hop, t.float().to(dev), t.float().to(dev))
-                sig_pos = t.float().to(dev).view(-1, 1).expand(nb, t_len)
-                total += float(self.segment_terms(fn, w, sig_pos, eps, weight).double().sum())
-            losses.append(total / (n * t_len))
+            t = log_uniform(lo, hi, stratified_uniform(w.shape[0], generator))
+            # a request with sigma_next = sigma takes one forward at exactly t
+            return self._one_substep_nats(hop, b, w, t, t, math.log(hi / lo) / t**2, generator)
+
+        losses = [total / (n * t_len) for total in hop_terms(hops, windows, term)]
         recon = self.reconstruction_nats(windows[:, 1:], generator) / (n * t_len)
         return self.prior_nats_per_byte() + sum(losses) + recon, losses
 
     @torch.no_grad()
     def score(self, hops, windows, k=4, generator=None) -> ScoreResult:
-        if len(hops) != self.cfg.n_blocks:
-            raise ValueError(f"{len(hops)} hops, but the config has n_blocks = {self.cfg.n_blocks}")
+        self.check_hops(hops)
         main = self.discrete_bound(hops, windows, k, generator)
         nelbo, local = self.continuous_nelbo(hops, windows, generator)
         n, t_len = windows.shape[0], windows.shape[1] - 1
@@ -293,69 +290,44 @@ class ChunkedContinuousObjective(Objective):
 
     @torch.no_grad()
     def block_alone_ce(self, block, b, windows, generator=None) -> float:
-        dev = next(block.parameters()).device
         hops = [self.make_hop(block, i) for i in range(self.cfg.n_blocks)]      # block b on every range
-        return self.discrete_bound(hops, windows.to(dev), 1, generator)["bound"]
+        return self.discrete_bound(hops, windows.to(module_device(block)), 1, generator)["bound"]
 
     # -- generation ---------------------------------------------------------------------------------
-    def _chunk_request(self, hist: list[int], kk: int) -> tuple[list[int], torch.Tensor, int]:
-        hist = fit_history(hist, kk, self.k, self.cfg.seq_len)
-        c0 = len(hist) - 1
-        ctx = torch.tensor(hist + [0] * (kk - 1), dtype=torch.long).unsqueeze(0)
-        return hist, ctx, c0
-
-    def _start_state(self, hist: list[int], c0: int, kk: int, temperature: float, generator) -> torch.Tensor:
-        """Earlier positions hold their clean rows (no later chunk reads them: block-causal mask)."""
-        state = torch.zeros(1, c0 + kk, self.cfg.target_dim)
-        if c0:
-            state[0, :c0] = self.table[torch.tensor(hist[1:], dtype=torch.long)]
+    def _start_state(self, chunk: Chunk, temperature: float, generator) -> torch.Tensor:
+        """The history's clean rows (no later chunk reads them: block-causal mask), then the chunk at
+        temperature * sigma_max * eps (temperature 0: z = 0)."""
+        state = torch.zeros(1, chunk.start + chunk.length, self.cfg.target_dim)
+        if chunk.start:
+            state[0, :chunk.start] = self.table[torch.tensor(chunk.history[1:], dtype=torch.long)]
         if temperature > 0:
-            state[0, c0:] = temperature * float(self.sigmas[0]) * torch.randn(kk, self.cfg.target_dim,
-                                                                              generator=generator)
+            state[0, chunk.start:] = temperature * float(self.sigmas[0]) * torch.randn(
+                chunk.length, self.cfg.target_dim, generator=generator)
         return state
 
     def _read_bytes(self, z: torch.Tensor) -> list[int]:
         return (z.float() @ self.table.T).argmax(-1).tolist()          # nearest row at sigma_min
 
-    def _hop_pair(self, b: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.sigmas[b].float().view(1).to(device), self.sigmas[b + 1].float().view(1).to(device))
-
     @torch.no_grad()
     def generate_one_sweep(self, hops, prompt, n_bytes, *, temperature=0.0, generator=None) -> bytes:
-        hist = aligned_history(prompt, n_bytes, self.k)
-        out: list[int] = []
-        while len(out) < n_bytes:                       # ceil(n_bytes / k) traversals
-            kk = min(self.k, n_bytes - len(out))
-            hist, ctx, c0 = self._chunk_request(hist, kk)
-            z = self._start_state(hist, c0, kk, temperature, generator)
-            for b, hop in enumerate(hops):
-                s, s_next = self._hop_pair(b, z.device)
-                z = hop(HopRequest(z, ctx, s, s_next)).state
-            new = self._read_bytes(z[0, c0:])
-            out += new
-            hist = hist + new
-        return bytes(out)
+        """ceil(n_bytes / k) traversals: each denoises a whole chunk."""
+        def emit(chunk: Chunk) -> list[int]:
+            z = self._start_state(chunk, temperature, generator)
+            z = traverse(hops, self.sigmas, z, chunk.context, logits_from="none")[0]
+            return self._read_bytes(z[0, chunk.start:])
+        return generate_chunks(prompt, n_bytes, chunk_len=self.k, seq_len=self.cfg.seq_len, emit=emit)
 
     @torch.no_grad()
     def generate_autoregressive(self, hops, prompt, n_bytes, *, temperature=0.0, generator=None) -> bytes:
-        hist = aligned_history(prompt, n_bytes, self.k)
-        out: list[int] = []
-        while len(out) < n_bytes:
-            kk = min(self.k, n_bytes - len(out))
-            hist, ctx, c0 = self._chunk_request(hist, kk)
-            chunk: list[int] = []
-            for m in range(kk):                         # one traversal per byte
-                z = self._start_state(hist, c0, kk, temperature, generator)
-                known = self.table[torch.tensor(chunk, dtype=torch.long)] if m else None
-                eps = torch.randn(m, self.cfg.target_dim, generator=generator) if m else None
-                for b, hop in enumerate(hops):
-                    s, s_next = self._hop_pair(b, z.device)
-                    if m:
-                        z = z.clone()
-                        z[0, c0:c0 + m] = known + float(s) * eps        # replacement at the hop's level
-                    z = hop(HopRequest(z, ctx, s, s_next)).state
-                chunk.append(self._read_bytes(z[0, c0 + m:c0 + m + 1])[0])
-            out += chunk
-            hist = hist + chunk
-        return bytes(out)
-
+        """One traversal per byte: the chunk's bytes already emitted are imposed before every hop."""
+        def emit_byte(chunk: Chunk, known: list[int]) -> int:
+            m, c0 = len(known), chunk.start
+            z = self._start_state(chunk, temperature, generator)
+            if m:
+                rows = self.table[torch.tensor(known, dtype=torch.long)]
+                eps = torch.randn(m, self.cfg.target_dim, generator=generator)
+                hops_m = [imposing(hop, c0, rows, eps) for hop in hops]
+            z = traverse(hops_m if m else hops, self.sigmas, z, chunk.context, logits_from="none")[0]
+            return self._read_bytes(z[0, c0 + m:c0 + m + 1])[0]
+        return generate_chunks(prompt, n_bytes, chunk_len=self.k, seq_len=self.cfg.seq_len,
+                               emit=byte_by_byte(emit_byte))

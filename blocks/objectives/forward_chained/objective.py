@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...chain import Hop, HopRequest, HopResult
+from ...chain import Hop, HopRequest, HopResult, ask_logits, traverse
 from ...device import autocast
 from ...hop import LocalHop, inference
-from ..base import Objective, ScoreResult, sample_bytes
-from ..common import prepare_prompt
+from ...sampling import generate_chunks, mean_ce, next_byte
+from ..base import Objective, ScoreResult
 from .net import ForwardChainedBlock
 
 
@@ -79,31 +79,19 @@ class ForwardChainedObjective(Objective):
     def make_hop(self, block, b) -> Hop:
         return LocalHop(block, forward_chained_step)
 
-    def _run(self, hops, ctx: torch.Tensor, logits_from: str = "last") -> list[torch.Tensor]:
-        """One traversal; the logits of every hop when ``logits_from`` is "all"."""
-        n, t = ctx.shape
-        state = torch.zeros(n, t, self.state_dim(), device=ctx.device)
-        sigma = torch.zeros(n, device=ctx.device)   # unused: the state is not a noisy target
-        out = []
-        for b, hop in enumerate(hops):
-            want = logits_from == "all" or b == len(hops) - 1
-            res = hop(HopRequest(state, ctx, sigma, sigma, want_logits=want))
-            if want and res.logits is None:
-                raise RuntimeError(f"hop {b} returned no logits although they were requested")
-            state = res.state
-            if want:
-                out.append(res.logits)
-        return out
+    def _traverse(self, hops, ctx: torch.Tensor, logits_from: str = "last") -> list[torch.Tensor]:
+        """One traversal of the stack from an empty stream; the logits asked for. The levels are all 0:
+        the state is not a noisy target."""
+        state = torch.zeros(*ctx.shape, self.state_dim(), device=ctx.device)
+        return traverse(hops, torch.zeros(len(hops) + 1), state, ctx, logits_from=logits_from)[1]
 
     @torch.no_grad()
     def score(self, hops, windows, k=4, generator=None) -> ScoreResult:
         """Exact held-out CE of the stack (deterministic: K plays no role). ``extra.prefix_ce[b]`` is
         the CE of blocks 0..b read through block b's own head: what each added block buys."""
         ctx, y = windows[:, :-1], windows[:, 1:]
-        all_logits = self._run(hops, ctx, logits_from="all")
-        prefix = [float(F.cross_entropy(lg.float().reshape(-1, lg.shape[-1]), y.reshape(-1))) for lg in all_logits]
-        n, t = ctx.shape
-        return ScoreResult(ce=prefix[-1], ce_k1=prefix[-1], k=k, tokens=n * t, ce_kind=self.ce_kind,
+        prefix = [mean_ce(logits, y) for logits in self._traverse(hops, ctx, logits_from="all")]
+        return ScoreResult(ce=prefix[-1], ce_k1=prefix[-1], k=k, tokens=y.numel(), ce_kind=self.ce_kind,
                            extra={"prefix_ce": prefix})
 
     @torch.no_grad()
@@ -111,12 +99,8 @@ class ForwardChainedObjective(Objective):
         """Block b with an uninformative input: block 0 is a complete small LM; a later block gets a
         zero state, so it only has its head's bias and layers to go on."""
         ctx, y = windows[:, :-1], windows[:, 1:]
-        dev = next(block.parameters()).device
-        ctx, y = ctx.to(dev), y.to(dev)
-        h = None if b == 0 else torch.zeros(*ctx.shape, self.cfg.d_model, device=dev)
-        with autocast(dev):
-            _, logits = block(h, ctx)
-        return float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)))
+        state, level = torch.zeros(*ctx.shape, self.state_dim(), device=ctx.device), torch.zeros(ctx.shape[0])
+        return mean_ce(ask_logits(self.make_hop(block, b), HopRequest(state, ctx, level, level), b).logits, y)
 
     @torch.no_grad()
     def generate_one_sweep(self, hops, prompt, n_bytes, *, temperature=0.0, generator=None) -> bytes:
@@ -126,12 +110,5 @@ class ForwardChainedObjective(Objective):
 
     @torch.no_grad()
     def generate_autoregressive(self, hops, prompt, n_bytes, *, temperature=0.0, generator=None) -> bytes:
-        seq = list(prepare_prompt(prompt, n_bytes, self.cfg.seq_len, one_sweep=False))
-        out: list[int] = []
-        for _ in range(n_bytes):
-            ctx = torch.tensor(seq[-self.cfg.seq_len:], dtype=torch.long).unsqueeze(0)
-            logits = self._run(hops, ctx)[-1]
-            nxt = int(sample_bytes(logits[:, -1], temperature, generator)[0])
-            seq.append(nxt)
-            out.append(nxt)
-        return bytes(out)
+        emit = next_byte(lambda ctx: self._traverse(hops, ctx)[-1], temperature, generator)
+        return generate_chunks(prompt, n_bytes, chunk_len=1, seq_len=self.cfg.seq_len, emit=emit)

@@ -21,12 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...chain import Hop, HopRequest, HopResult, euler_step, traverse
+from ...chain import Hop, HopRequest, HopResult, ask_logits, euler_step, traverse
 from ...config import ModelConfig
 from ...device import autocast
 from ...hop import LocalHop
-from ..base import Objective, ScoreResult, sample_bytes
-from ..common import prepare_prompt
+from ...sampling import (generate_chunks, generate_in_one_traversal, mean_ce, mixture_nll, next_byte,
+                         target_logp)
+from ..base import Objective, ScoreResult
 from .net import PaperBlock
 from .schedule import NoiseSchedule, edm_loss_weight
 
@@ -76,63 +77,39 @@ class PaperObjective(Objective):
         return LocalHop(block, paper_step)
 
     def _start_state(self, n: int, t: int, generator, device) -> torch.Tensor:
+        """Pure noise at sigma_max: the state the first hop receives."""
         eps = torch.randn(n, t, self.cfg.target_dim, generator=generator)
         return (eps * self.sigmas[0]).to(device)
 
+    def _next_byte_logits(self, hops, ctx: torch.Tensor, generator) -> torch.Tensor:
+        """One traversal from fresh noise: the last hop's next-byte logits at every position."""
+        z = self._start_state(ctx.shape[0], ctx.shape[1], generator, ctx.device)
+        return traverse(hops, self.sigmas, z, ctx)[1][-1]
+
     @torch.no_grad()
     def score(self, hops, windows, k=4, generator=None) -> ScoreResult:
+        """``ce``: the K-sample average of the chain's predictive distribution; ``ce_k1``: one sample."""
         ctx, y = windows[:, :-1], windows[:, 1:]
-        n, t = ctx.shape
-        logps = []
-        for _ in range(k):
-            z = self._start_state(n, t, generator, windows.device)
-            _, logits = traverse(hops, self.sigmas, z, ctx)
-            logps.append(torch.log_softmax(logits.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1))
-        lp = torch.stack(logps)                       # (K, N, T)
-        ce_k1 = float(-lp.mean())
-        ce = float(-(torch.logsumexp(lp, 0) - torch.log(torch.tensor(float(k)))).mean())
-        return ScoreResult(ce=ce, ce_k1=ce_k1, k=k, tokens=n * t, ce_kind=self.ce_kind)
+        lp = torch.stack([target_logp(self._next_byte_logits(hops, ctx, generator), y) for _ in range(k)])
+        return ScoreResult(ce=float(mixture_nll(lp).mean()), ce_k1=float(-lp.mean()), k=k, tokens=y.numel(),
+                           ce_kind=self.ce_kind)
 
     @torch.no_grad()
     def block_alone_ce(self, block, b, windows, generator=None) -> float:
+        """Block b from pure noise at its own top level sigma_b."""
         ctx, y = windows[:, :-1], windows[:, 1:]
-        n, t = ctx.shape
-        dev = next(block.parameters()).device
-        sigma = self.sigmas[b].expand(n).to(dev)
-        z = (torch.randn(n, t, self.cfg.target_dim, generator=generator).to(dev) * sigma.view(-1, 1, 1))
-        with autocast(dev):
-            _, logits = block(z, sigma, ctx.to(dev))
-        return float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.to(dev).reshape(-1)))
+        sigma = self.sigmas[b].expand(ctx.shape[0]).to(windows.device)
+        z = torch.randn(*ctx.shape, self.cfg.target_dim, generator=generator).to(windows.device)
+        hop = self.make_hop(block, b)
+        return mean_ce(ask_logits(hop, HopRequest(z * sigma.view(-1, 1, 1), ctx, sigma, sigma), b).logits, y)
 
     @torch.no_grad()
     def generate_one_sweep(self, hops, prompt, n_bytes, *, temperature=0.0, generator=None) -> bytes:
-        p = prepare_prompt(prompt, n_bytes, self.cfg.seq_len, one_sweep=True)
-        plen = len(p)
-        # position t predicts byte t+1: predictions for the n new bytes sit at plen-1 .. plen+n-2
-        ctx = torch.tensor(list(p) + [32] * (n_bytes - 1), dtype=torch.long).unsqueeze(0)
-        estimate: list[torch.Tensor] = []
-
-        def update(b: int, logits: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-            est = sample_bytes(logits[:, plen - 1:], temperature, generator)
-            estimate[:] = [est]
-            context = context.clone()
-            context[:, plen:] = est[:, :-1]
-            return context
-
-        z = self._start_state(1, ctx.shape[1], generator, ctx.device)
-        traverse(hops, self.sigmas, z, ctx, logits_from="all", update_context=update)
-        return bytes(estimate[0][0].tolist())
+        return generate_in_one_traversal(
+            hops, prompt, n_bytes, seq_len=self.cfg.seq_len, levels=self.sigmas, temperature=temperature,
+            generator=generator, start_state=lambda t: self._start_state(1, t, generator, "cpu"))
 
     @torch.no_grad()
     def generate_autoregressive(self, hops, prompt, n_bytes, *, temperature=0.0, generator=None) -> bytes:
-        seq = list(prepare_prompt(prompt, n_bytes, self.cfg.seq_len, one_sweep=False))
-        out: list[int] = []
-        for _ in range(n_bytes):
-            window = seq[-self.cfg.seq_len:]
-            ctx = torch.tensor(window, dtype=torch.long).unsqueeze(0)
-            z = self._start_state(1, ctx.shape[1], generator, ctx.device)
-            _, logits = traverse(hops, self.sigmas, z, ctx)
-            nxt = int(sample_bytes(logits[:, -1], temperature, generator)[0])
-            seq.append(nxt)
-            out.append(nxt)
-        return bytes(out)
+        emit = next_byte(lambda ctx: self._next_byte_logits(hops, ctx, generator), temperature, generator)
+        return generate_chunks(prompt, n_bytes, chunk_len=1, seq_len=self.cfg.seq_len, emit=emit)
