@@ -10,7 +10,7 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
-from blocktrain.blocks.data import DataError, DataSplit, resolve_data
+from .data import DataError, DataSplit, resolve_data
 
 AUTO = "auto"
 

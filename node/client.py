@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..blocks import checkpoint as ckpt
 from ..blocks.config import ModelConfig
-from ..blocks.data import eval_windows
+from ..blocks.windows import eval_windows
 from ..blocks.objectives import get_objective
 from ..p2p.aioloop import LoopThread
 from ..p2p.discovery import Discovery

@@ -31,7 +31,7 @@ from ..p2p.rpc_server import BlockRPCServer
 from .auth import RunAuth
 from blocktrain.node.averaging.round import BlockAverager
 from blocktrain.blocks.default_data import resolve_default
-from blocktrain.blocks.local_run import pick_device
+from blocktrain.blocks.device import pick_device
 from .options import NodeOptions
 from blocktrain.node.routing.router import BanList, Router
 from .trainer import BlockTrainer

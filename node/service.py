@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
-
-from ..blocks.data import eval_windows
+from ..blocks.windows import eval_windows, text_windows
 from . import generation
 
 
@@ -23,12 +21,7 @@ class NodeBackend:
         return out
 
     def score(self, text: bytes, k: int) -> dict:
-        cfg = self.node.cfg
-        data = np.frombuffer(text, dtype=np.uint8)
-        if len(data) < 2:
-            raise ValueError("text must be at least 2 bytes")
-        seq = min(cfg.seq_len, len(data) - 1)
-        windows = eval_windows(data, seq, max(1, min(16, (len(data) - 1) // seq)))
+        windows = text_windows(text, self.node.cfg.seq_len)
         res = generation.score(self.node.trainer.objective, self.node.router, windows, k)
         return {"ce": res["chain_ce"], "ce_kind": res["ce_kind"], "bytes_scored": res["tokens"], "k": res["k"],
                 "route": res["route"]}

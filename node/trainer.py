@@ -19,7 +19,7 @@ import torch
 from ..blocks import checkpoint as ckpt
 from ..blocks.chain import HopRequest, HopResult
 from ..blocks.config import ModelConfig
-from ..blocks.data import WindowSampler, eval_windows
+from ..blocks.windows import WindowSampler, eval_windows
 from ..blocks.objectives import get_objective
 from ..blocks.train import make_optimizer, optimizer_step
 
