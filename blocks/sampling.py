@@ -7,13 +7,14 @@ traversal, which log-probabilities its bound adds up.
 
 Generation. ``generate_chunks`` is the autoregressive driver over chunks of ``chunk_len`` bytes
 (chunk_len 1: over bytes): it keeps the history, cuts it to the context window and asks the
-objective's ``emit`` for the next chunk; ``byte_by_byte`` turns an emitter of single bytes into
-one of chunks (one traversal per byte). ``generate_in_one_traversal`` emits a whole continuation
-in ONE traversal, each hop re-reading its running estimate of the new bytes.
+objective's ``emit`` for the next chunk; ``next_byte`` is the emitter of a next-byte chain and
+``byte_by_byte`` turns an emitter of single bytes into one of chunks (one traversal per byte).
+``generate_in_one_traversal`` emits a whole continuation in ONE traversal, each hop re-reading
+its running estimate of the new bytes.
 
-Scoring. ``target_logp``, ``mean_ce``,
-``mixture_nll`` (the K-sample average of a predictive distribution, or the importance-weighted
-bound over K paths), ``microbatches`` and ``hop_terms`` (one-hop estimates summed over windows).
+Scoring. ``target_logp`` and ``mean_ce`` read logits against the true bytes, ``mixture_nll`` is
+the K-sample average of a predictive distribution (or the importance-weighted bound over K paths),
+``microbatches`` bounds a hop call's size and ``hop_terms`` sums one-hop estimates over windows.
 """
 from __future__ import annotations
 

@@ -49,7 +49,8 @@ def test_load_round_trip_generates_and_scores_as_the_trained_blocks(trained):
     for mode, gen in (("one_sweep", run.objective.generate_one_sweep),
                       ("autoregressive", run.objective.generate_autoregressive)):
         for temperature in (0.0, 1.0):
-            want = gen(hops, PROMPT.encode(), 9, temperature=temperature, generator=torch.Generator().manual_seed(4))
+            g = torch.Generator().manual_seed(4)
+            want = gen(hops, PROMPT.encode(), 9, temperature=temperature, generator=g)
             res = model.generate(PROMPT, max_bytes=9, mode=mode, temperature=temperature, seed=4)
             assert res["bytes"] == want and res["bytes_generated"] == 9 and res["mode"] == mode
             assert res["text"] == want.decode("utf-8", errors="replace")
@@ -112,7 +113,8 @@ def test_bad_checkpoint_directories_give_one_clear_line(tmp_path, trained):
     with pytest.raises(ckpt.CheckpointError, match="not found"):
         load(tmp_path / "missing")
     r = gen("--checkpoint", str(out), "--http", "http://127.0.0.1:9")
-    assert r.exit_code == 2 and "exactly one of --checkpoint DIR, --initial-peers MULTIADDR or --http URL" in r.stderr
+    assert r.exit_code == 2
+    assert "exactly one of --checkpoint DIR, --initial-peers MULTIADDR or --http URL" in r.stderr
 
 
 BLOCKED = ("hivemind", "fastapi", "httpx", "uvicorn", "pydantic", "multiaddr",

@@ -101,6 +101,10 @@ class Objective(ABC):
     def local_hops(self, blocks: Sequence[nn.Module]) -> list[Hop]:
         return [self.make_hop(m, b) for b, m in enumerate(blocks)]
 
+    def check_block(self, b: int) -> None:
+        if not 0 <= b < self.cfg.n_blocks:
+            raise IndexError(f"block index {b} out of range [0, {self.cfg.n_blocks})")
+
     def check_hops(self, hops: Sequence[Hop]) -> None:
         if len(hops) != self.cfg.n_blocks:
             raise ValueError(f"{len(hops)} hops, but the config has n_blocks = {self.cfg.n_blocks}")

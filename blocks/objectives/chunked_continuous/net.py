@@ -1,9 +1,9 @@
 """The network of one ``chunked-continuous`` block, and the posterior it is wrapped in.
 
-Layout as chunked-masked's network (``../chunked_masked/net.py``) ([noisy || clean] streams, block-causal mask, BD3-LM): chunk c of
-the noisy stream attends to itself (bidirectionally) and to the clean chunks before it, so every
-chunk of a window is denoised in one pass and chunk c reads only its own noisy state and
-x_0..x_{c*k}. The noisy stream carries continuous states instead of byte ids:
+Layout as chunked-masked's network (``../chunked_masked/net.py``: [noisy || clean] streams,
+block-causal mask, BD3-LM): chunk c of the noisy stream attends to itself (bidirectionally) and to
+the clean chunks before it, so every chunk of a window is denoised in one pass and chunk c reads
+only its own noisy state and x_0..x_{c*k}. The noisy stream carries continuous states instead of byte ids:
 
 * ``ChunkedContinuousNet`` is the raw network F(context, x_in, c_noise) -> (N, T, 256) logits. The
   noisy input is the EDM-scaled state x_in = z / sqrt(sigma^2 + sigma_data^2) through a linear

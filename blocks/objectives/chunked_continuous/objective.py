@@ -61,12 +61,12 @@ from ...chain import Hop, HopRequest, HopResult, ask_logits, euler_step, travers
 from ...config import ConfigError, ModelConfig
 from ...device import autocast, module_device
 from ...hop import LocalHop
-from ...target import target_table
 from ...sampling import Chunk, byte_by_byte, generate_chunks, hop_terms, microbatches
+from ...target import target_table
 from ..base import Objective, ScoreResult
 from ..chunked_masked.net import chunk_ids, clean_len
-from .net import ChunkedContinuousBlock, log_uniform
 from ..common import stratified_uniform
+from .net import ChunkedContinuousBlock, log_uniform
 
 DEFAULT_SIGMA_MAX, DEFAULT_SIGMA_MIN = 20.0, 0.02
 DEFAULT_INNER = (1.2, 0.3)           # inner bounds geometric between these (where the bound lives)
@@ -156,8 +156,7 @@ class ChunkedContinuousObjective(Objective):
 
     def sigma_range(self, b: int) -> tuple[float, float]:
         """(low, high) noise levels of block b."""
-        if not 0 <= b < self.cfg.n_blocks:
-            raise IndexError(f"block index {b} out of range [0, {self.cfg.n_blocks})")
+        self.check_block(b)
         return float(self.sigmas[b + 1]), float(self.sigmas[b])
 
     def prior_nats_per_byte(self) -> float:
@@ -166,7 +165,7 @@ class ChunkedContinuousObjective(Objective):
 
     # -- training -----------------------------------------------------------------------------------
     def build_block(self, b: int) -> nn.Module:
-        self.sigma_range(b)
+        self.check_block(b)
         return ChunkedContinuousBlock(self.cfg)
 
     def _chunk_sigmas(self, b: int, n: int, t_len: int, generator) -> torch.Tensor:
@@ -241,7 +240,8 @@ class ChunkedContinuousObjective(Objective):
                     j = (stratified_uniform(w.shape[0], generator) * self.steps).long()
                     t = hi * (lo / hi) ** (j.double() / self.steps)
                     s = hi * (lo / hi) ** ((j + 1).double() / self.steps)
-                    v = self._one_substep_nats(hop, b, w, t, s, self.steps * 0.5 * (1 / s**2 - 1 / t**2), generator)
+                    weight = self.steps * 0.5 * (1 / s**2 - 1 / t**2)
+                    v = self._one_substep_nats(hop, b, w, t, s, weight, generator)
                     terms[b] += v
                     total += v
                 total += self.reconstruction_nats(w[:, 1:], generator)
@@ -323,11 +323,12 @@ class ChunkedContinuousObjective(Objective):
         def emit_byte(chunk: Chunk, known: list[int]) -> int:
             m, c0 = len(known), chunk.start
             z = self._start_state(chunk, temperature, generator)
+            hops_m = hops
             if m:
                 rows = self.table[torch.tensor(known, dtype=torch.long)]
                 eps = torch.randn(m, self.cfg.target_dim, generator=generator)
                 hops_m = [imposing(hop, c0, rows, eps) for hop in hops]
-            z = traverse(hops_m if m else hops, self.sigmas, z, chunk.context, logits_from="none")[0]
+            z = traverse(hops_m, self.sigmas, z, chunk.context, logits_from="none")[0]
             return self._read_bytes(z[0, c0 + m:c0 + m + 1])[0]
         return generate_chunks(prompt, n_bytes, chunk_len=self.k, seq_len=self.cfg.seq_len,
                                emit=byte_by_byte(emit_byte))

@@ -75,8 +75,8 @@ from ...hop import LocalHop
 from ...sampling import (Chunk, byte_by_byte, generate_chunks, hop_terms, microbatches, mixture_nll,
                          sample_bytes, target_logp)
 from ..base import Objective, ScoreResult
-from .net import MASK_ID, ChunkedMaskedNet, chunk_ids, clean_len
 from ..common import stratified_uniform
+from .net import MASK_ID, ChunkedMaskedNet, chunk_ids, clean_len
 
 REVEAL_ORDERS = ("random", "left-to-right")
 
@@ -168,8 +168,7 @@ class ChunkedMaskedObjective(Objective):
 
     def rate_range(self, b: int) -> tuple[float, float]:
         """(t_low, t_high) of block b."""
-        if not 0 <= b < self.cfg.n_blocks:
-            raise IndexError(f"block index {b} out of range [0, {self.cfg.n_blocks})")
+        self.check_block(b)
         return float(self.rates[b + 1]), float(self.rates[b])
 
     def range_width(self, b: int) -> float:
@@ -178,7 +177,7 @@ class ChunkedMaskedObjective(Objective):
 
     # -- training -----------------------------------------------------------------------------------
     def build_block(self, b: int) -> nn.Module:
-        self.rate_range(b)
+        self.check_block(b)
         return ChunkedMaskedNet(self.cfg)
 
     def sample_training_mask(self, b: int, n: int, t_len: int,
@@ -286,7 +285,8 @@ class ChunkedMaskedObjective(Objective):
             state = torch.stack([torch.where(mask, MASK_ID, y).float(), tau], -1)
             logits = ask_logits(hop, HopRequest(state, ctx, *hop_levels(self.rates, b, state)), b).logits
             m = mask.double()
-            h = per_chunk_sum(-target_logp(logits, y).double() * m, self.k) / per_chunk_sum(m, self.k).clamp_min(1.0)
+            nats = -target_logp(logits, y).double() * m
+            h = per_chunk_sum(nats, self.k) / per_chunk_sum(m, self.k).clamp_min(1.0)    # mean over masked bytes
             return float((h * cw).sum())
 
         losses = [total / windows.shape[0] for total in hop_terms(hops, windows, term)]

@@ -40,11 +40,11 @@ class ForwardChainedObjective(Objective):
     name = "forward-chained"
     ce_kind = "exact"
     needs_upstream = True
+    block_class = ForwardChainedBlock
 
     def build_block(self, b: int) -> nn.Module:
-        if not 0 <= b < self.cfg.n_blocks:
-            raise IndexError(f"block index {b} out of range [0, {self.cfg.n_blocks})")
-        return ForwardChainedBlock(self.cfg, b)
+        self.check_block(b)
+        return self.block_class(self.cfg, b)
 
     def state_dim(self) -> int:
         return self.cfg.d_model

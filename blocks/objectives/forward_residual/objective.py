@@ -36,11 +36,7 @@ from .net import ForwardResidualBlock
 
 class ForwardResidualObjective(ForwardChainedObjective):
     name = "forward-residual"
-
-    def build_block(self, b: int) -> nn.Module:
-        if not 0 <= b < self.cfg.n_blocks:
-            raise IndexError(f"block index {b} out of range [0, {self.cfg.n_blocks})")
-        return ForwardResidualBlock(self.cfg, b)
+    block_class = ForwardResidualBlock
 
     def local_loss(self, block, b, windows, generator=None, upstream: Sequence[nn.Module] | None = None):
         if b > 0:

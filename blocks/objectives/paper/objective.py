@@ -53,8 +53,7 @@ class PaperObjective(Objective):
         self._mid_weight = [float(edm_loss_weight(s, cfg.sigma_data)) for s in mids]
 
     def build_block(self, b: int) -> nn.Module:
-        if not 0 <= b < self.cfg.n_blocks:
-            raise IndexError(f"block index {b} out of range [0, {self.cfg.n_blocks})")
+        self.check_block(b)
         return PaperBlock(self.cfg)
 
     def local_loss(self, block, b, windows, generator=None, upstream=None):
