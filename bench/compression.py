@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from blocktrain.blocks.config import ModelConfig
-from blocktrain.blocks.data import eval_windows
+from blocktrain.blocks.windows import eval_windows
 from blocktrain.blocks.objectives import get_objective
 from blocktrain.p2p.averager import COMPRESSIONS, make_compression, patch_8bit_decoder
 from blocktrain.bench.swarm import FULL_CONFIG, TINY_CONFIG

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.config import ModelConfig
-from blocktrain.blocks.data import eval_windows
+from blocktrain.blocks.windows import eval_windows
 from blocktrain.bench.swarm import _env
 from blocktrain.node.swarm.run import typed_settings
 from blocktrain.blocks.budget import Budget

@@ -38,7 +38,7 @@ import torch
 
 from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.config import ModelConfig
-from blocktrain.blocks.data import eval_windows
+from blocktrain.blocks.windows import eval_windows
 from blocktrain.blocks.objectives import get_objective
 from blocktrain.blocks.default_data import resolve_default
 from blocktrain.node.swarm.launcher import LocalSwarm

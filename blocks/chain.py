@@ -21,11 +21,19 @@ class HopRequest:
     sigma_next: torch.Tensor   # (N,) noise level to step to
     want_logits: bool = False
 
+    def to(self, device: torch.device | str) -> "HopRequest":
+        """The same request with its tensors on ``device`` (dtypes unchanged)."""
+        return HopRequest(self.state.to(device), self.context.to(device), self.sigma.to(device),
+                          self.sigma_next.to(device), self.want_logits)
+
 
 @dataclass
 class HopResult:
     state: torch.Tensor                 # (N, T, D) at sigma_next
     logits: torch.Tensor | None = None  # (N, T, V) next-byte logits computed at sigma
+
+    def to(self, device: torch.device | str) -> "HopResult":
+        return HopResult(self.state.to(device), None if self.logits is None else self.logits.to(device))
 
 
 class Hop(Protocol):
@@ -50,29 +58,44 @@ class CountingHop:
         return self.hop(request)
 
 
-def traverse(hops: Sequence[Hop], sigmas: torch.Tensor, state: torch.Tensor, context: torch.Tensor,
+def ask_logits(hop: Hop, req: HopRequest, b: int) -> HopResult:
+    """Call hop b with ``want_logits`` set; a hop that answers no logits is an error."""
+    out = hop(HopRequest(req.state, req.context, req.sigma, req.sigma_next, want_logits=True))
+    if out.logits is None:
+        raise RuntimeError(f"hop {b} returned no logits although they were requested")
+    return out
+
+
+def hop_levels(levels: torch.Tensor, b: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigma, sigma_next) of hop b, one per sample of ``like`` (N, ...), on its device and dtype."""
+    n = like.shape[0]
+    return tuple(levels[i].to(like.device, like.dtype).expand(n).contiguous() for i in (b, b + 1))
+
+
+def traverse(hops: Sequence[Hop], levels: torch.Tensor, state: torch.Tensor, context: torch.Tensor,
              *, logits_from: str = "last",
              update_context: Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Run one traversal of the block stack.
 
-    ``sigmas`` holds B+1 descending levels; hop b steps from sigmas[b] to sigmas[b+1].
-    ``logits_from``: "last" asks only the final hop for logits; "all" asks every hop
-    (one-sweep generation re-reads its running byte estimate after each hop through
-    ``update_context(b, logits, context) -> context``). Returns (final state, last logits).
+    ``levels`` holds B+1 descending noise levels; hop b steps from levels[b] to levels[b+1].
+    ``logits_from``: "last" asks only the final hop for logits, "all" every hop, "none" no hop.
+    One-sweep generation re-reads its running byte estimate after each hop through
+    ``update_context(b, logits, context) -> context``. Returns (final state, the logits of the
+    hops asked for them, in order).
     """
-    if len(hops) + 1 != len(sigmas):
-        raise ValueError(f"{len(hops)} hops need {len(hops) + 1} noise levels, got {len(sigmas)}")
-    n = state.shape[0]
-    logits = None
+    if logits_from not in ("last", "all", "none"):
+        raise ValueError(f"logits_from must be last, all or none, got {logits_from!r}")
+    if len(hops) + 1 != len(levels):
+        raise ValueError(f"{len(hops)} hops need {len(hops) + 1} noise levels, got {len(levels)}")
+    logits = []
     for b, hop in enumerate(hops):
-        want = logits_from == "all" or b == len(hops) - 1
-        s = sigmas[b].to(state.dtype).expand(n).contiguous()
-        s_next = sigmas[b + 1].to(state.dtype).expand(n).contiguous()
-        out = hop(HopRequest(state, context, s, s_next, want_logits=want))
-        state, logits = out.state, out.logits
-        if want and logits is None:
-            raise RuntimeError(f"hop {b} returned no logits although they were requested")
-        if update_context is not None and logits is not None:
-            context = update_context(b, logits, context)
+        want = logits_from == "all" or (logits_from == "last" and b == len(hops) - 1)
+        req = HopRequest(state, context, *hop_levels(levels, b, state))
+        out = ask_logits(hop, req, b) if want else hop(req)
+        state = out.state
+        if want:
+            logits.append(out.logits)
+            if update_context is not None:
+                context = update_context(b, out.logits, context)
     return state, logits

@@ -12,8 +12,8 @@ Every ``.safetensors`` file carries string metadata: ``format`` ("blocktrain-blo
 ``block_index`` (-1 for a reference), ``step``, ``samples_seen``, ``objective``, ``config``
 (the full config JSON), ``saved_at``, plus caller-supplied extra string entries.
 
-Atomicity: every file is written to a temporary file in the same directory, flushed and
-fsynced, moved into place with ``os.replace`` and the directory is fsynced; a crash leaves
+Atomicity: every file is written with ``atomic.py`` (a temporary file in the same directory,
+flushed and fsynced, moved into place with ``os.replace``, the directory fsynced); a crash leaves
 either the old or the new file, never a half one. Optimizer state is not a flat tensor
 dict, so it lives in its own file named by its content hash and referenced (name and
 sha256) from the weights' metadata: it is written before the weights, so until the new
@@ -29,16 +29,16 @@ import io
 import json
 import os
 import re
-import secrets
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .atomic import atomic_write, write_bytes
 from .config import ConfigError, ModelConfig
 
 __all__ = [
@@ -107,58 +107,6 @@ class BlockCheckpoint:
     @property
     def kind(self) -> str:
         return self.meta["kind"]
-
-
-# --------------------------------------------------------------------------------------------
-# atomic file writing
-# --------------------------------------------------------------------------------------------
-def _tmp_path(final: Path) -> Path:
-    return final.with_name(f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:  # platforms that cannot open a directory (Windows)
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(final: Path, write: Callable[[Path], None]) -> None:
-    """Run ``write(tmp)``, fsync tmp, ``os.replace(tmp, final)``, fsync the directory.
-    On any failure the temporary file is removed and ``final`` is untouched."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(final)
-    try:
-        write(tmp)
-        _fsync_path(tmp)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(final.parent)
-
-
-def _write_bytes(data: bytes) -> Callable[[Path], None]:
-    def write(tmp: Path) -> None:
-        with open(tmp, "xb") as f:
-            f.write(data)
-            f.flush()
-    return write
 
 
 # --------------------------------------------------------------------------------------------
@@ -234,13 +182,13 @@ def _save(path: str | os.PathLike[str], state_dict: dict[str, torch.Tensor], *, 
         digest = hashlib.sha256(blob).hexdigest()
         optim_path = path.with_name(f"{path.stem}.optim-{digest[:16]}.pt")
         if not optim_path.exists():  # same content already there (named by its hash): reuse
-            _atomic_write(optim_path, _write_bytes(blob))
+            atomic_write(optim_path, write_bytes(blob))
             optim_created = True
         meta["optimizer_file"] = optim_path.name
         meta["optimizer_sha256"] = digest
 
     try:
-        _atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
+        atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))
     except BaseException:
         if optim_created and optim_path is not None:  # the old weights never referenced it
             with contextlib.suppress(OSError):
@@ -274,7 +222,7 @@ def save_config(directory: str | os.PathLike[str], config: ModelConfig) -> Path:
     """Atomically write ``DIR/config.json``."""
     path = Path(directory) / CONFIG_FILENAME
     text = json.dumps(config.to_dict(), indent=2, sort_keys=True) + "\n"
-    _atomic_write(path, _write_bytes(text.encode("utf-8")))
+    atomic_write(path, write_bytes(text.encode("utf-8")))
     return path
 
 

@@ -1,4 +1,5 @@
-"""Local training and evaluation without a network: all B blocks (interleaved) and references.
+"""Offline training without a network (``bt-node train-local``, ``bench quality``): all B blocks,
+interleaved, and the end-to-end references, then their evaluation and checkpoints.
 
 One *round* is one optimizer step of every block. By default the full-depth reference takes one
 step per round (B block-steps cost about one reference step) and the one-block-size reference,
@@ -18,25 +19,16 @@ from typing import Callable
 
 import torch
 
-from blocktrain.blocks import checkpoint as ckpt
-from blocktrain.blocks.config import ModelConfig
-from blocktrain.blocks.data import DataSplit, WindowSampler, eval_windows
-from blocktrain.blocks.evaluate import evaluate_blocks, evaluate_reference
-from blocktrain.blocks.flops import train_flops_per_step
-from blocktrain.blocks.objectives import get_objective
-from blocktrain.blocks.reference import ReferenceLM
-from blocktrain.blocks.train import make_optimizer, optimizer_step, reference_loss_fn
-from blocktrain.blocks.budget import Budget
-
-
-def pick_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda asked for, but no CUDA device is available")
-    if name not in ("cpu", "cuda"):
-        raise ValueError(f"unknown device {name!r}: use cpu, cuda or auto")
-    return torch.device(name)
+from . import checkpoint as ckpt
+from .budget import Budget
+from .config import ModelConfig
+from .data import DataSplit
+from .windows import WindowSampler, eval_windows
+from .evaluate import evaluate_blocks, evaluate_reference
+from .flops import train_flops_per_step
+from .objectives import get_objective
+from .reference import ReferenceLM
+from .train import make_optimizer, optimizer_step, reference_loss_fn
 
 
 @dataclass

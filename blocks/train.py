@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
-from .objectives.common import autocast
+from .device import autocast
 
 
 def make_optimizer(module: nn.Module, cfg: ModelConfig) -> torch.optim.Optimizer:

@@ -7,7 +7,7 @@ import click
 from rich.table import Table
 
 from blocktrain.bench.resources import TINY_OVERRIDES, bench_memory, bench_throughput
-from blocktrain.blocks.local_run import pick_device
+from blocktrain.blocks.device import pick_device
 from .config_opts import build_config, config_options
 from .errors import friendly
 from .render import emit_json, err_console

@@ -4,10 +4,11 @@ from __future__ import annotations
 import click
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from ..blocks.budget import Budget
 from ..blocks.data import resolve_data
-from blocktrain.blocks.budget import Budget
-from blocktrain.blocks.local_eval import evaluate_checkpoint_dir
-from blocktrain.blocks.local_run import LocalRun, pick_device
+from ..blocks.device import pick_device
+from ..blocks.evaluate import evaluate_checkpoint_dir
+from ..blocks.local_run import LocalRun
 from .config_opts import build_config, config_options
 from .errors import friendly
 from .render import emit_json, err_console, eval_table

@@ -263,31 +263,48 @@ def where_options(fn):
     return fn
 
 
-def _need_where(initial_peers, http_url, address=None):
-    network = bool(initial_peers) or bool(address is not None and address.bootstrap)
-    if network == bool(http_url):
-        raise click.UsageError("give exactly one of --initial-peers MULTIADDR (or --run RUN@MULTIADDR) or --http URL")
+PEERS, HTTP = "--initial-peers MULTIADDR (or --run RUN@MULTIADDR)", "--http URL"
+
+
+def _need_where(**where):
+    """``where`` maps each option (as the error names it) to its value: exactly one must be given."""
+    if sum(bool(v) for v in where.values()) != 1:
+        names = list(where)
+        raise click.UsageError(f"give exactly one of {', '.join(names[:-1])} or {names[-1]}")
+
+
+def _network(initial_peers, address) -> bool:
+    return bool(initial_peers) or bool(address is not None and address.bootstrap)
 
 
 @click.command("generate")
 @click.argument("prompt")
 @where_options
+@click.option("--checkpoint", type=click.Path(file_okay=False), default=None,
+              help="Run every block on this machine, loaded from this directory (written by export or "
+                   "train-local --out): no network.")
 @click.option("--mode", type=click.Choice(["one_sweep", "autoregressive"]), default="one_sweep", show_default=True)
 @click.option("--max-bytes", type=click.IntRange(1, 1024), default=64, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--temperature", type=click.FloatRange(0, 2), default=0.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def generate(prompt, initial_peers, http_url, run_id, mode, max_bytes, seed, temperature, as_json):
+def generate(prompt, initial_peers, http_url, run_id, checkpoint, mode, max_bytes, seed, temperature, as_json):
     """Generate text through the chain of blocks; prints the text and the route taken.
 
     \b
     Examples:
       bt-node generate "The history of" --http http://127.0.0.1:8000
       bt-node generate "The history of" --initial-peers /ip4/127.0.0.1/tcp/31337/p2p/12D3KooW...
+      bt-node generate "The history of" --checkpoint runs/local
     """
-    _need_where(initial_peers, http_url, run_id)
-    if http_url:
+    _need_where(**{"--checkpoint DIR": checkpoint, PEERS: _network(initial_peers, run_id), HTTP: http_url})
+    if checkpoint:
+        from ..blocks.model import load
+        res = load(checkpoint).generate(prompt.encode(), max_bytes, mode, seed=seed, temperature=temperature)
+        res.pop("bytes")
+        res["checkpoint"] = checkpoint
+    elif http_url:
         res = _http_call(http_url, "/v1/generate", {"prompt": prompt, "max_bytes": max_bytes, "mode": mode,
                                                     "seed": seed, "temperature": temperature})
     else:
@@ -312,7 +329,7 @@ def generate(prompt, initial_peers, http_url, run_id, mode, max_bytes, seed, tem
 @friendly
 def status(initial_peers, http_url, run_id, as_json):
     """Print a table of blocks x holders (state, step, throughput)."""
-    _need_where(initial_peers, http_url, run_id)
+    _need_where(**{PEERS: _network(initial_peers, run_id), HTTP: http_url})
     if http_url:
         st = _http_call(http_url, "/v1/status")
         blocks, run = st["blocks"], st["run"]
@@ -353,7 +370,7 @@ def status(initial_peers, http_url, run_id, as_json):
 @friendly
 def export(initial_peers, run_id, out, as_json):
     """Pull every block from the network into one directory (safetensors per block + config.json),
-    which `bt-node eval --checkpoint DIR` accepts."""
+    which `bt-node eval --checkpoint DIR` and `bt-node generate --checkpoint DIR` accept."""
     from ..node.client import NetworkClient
     c = NetworkClient(_peers(initial_peers, run_id), run_id)
     try:

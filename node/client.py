@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 from blocktrain.blocks import checkpoint as ckpt
-from blocktrain.blocks.data import eval_windows
+from blocktrain.blocks.windows import eval_windows
 from blocktrain.blocks.objectives import get_objective
 from blocktrain.node import generation
 from blocktrain.node.routing.ranking import HolderRanking

@@ -14,12 +14,7 @@ def generate(objective, router: Router, prompt: bytes, n_bytes: int, mode: str, 
     hops = router.hops(route)
     g = torch.Generator().manual_seed(seed if seed is not None else time.time_ns() % 2**31)
     t0 = time.perf_counter()
-    if mode == "one_sweep":
-        out = objective.generate_one_sweep(hops, prompt, n_bytes, temperature=temperature, generator=g)
-    elif mode == "autoregressive":
-        out = objective.generate_autoregressive(hops, prompt, n_bytes, temperature=temperature, generator=g)
-    else:
-        raise ValueError(f"unknown mode {mode!r}: use one_sweep or autoregressive")
+    out = objective.generate(hops, prompt, n_bytes, mode, temperature=temperature, generator=g)
     seconds = time.perf_counter() - t0
     return {"text": out.decode("utf-8", errors="replace"), "bytes": out, "bytes_generated": len(out),
             "mode": mode, "route": route.route(), "traversals": route.calls // router.n_blocks,

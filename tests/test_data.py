@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from blocktrain.blocks.data import (
-    DataError, WindowSampler, describe_bytes, eval_windows, load_source, resolve_data,
-)
+from blocktrain.blocks.data import DataError, describe_bytes, load_source, resolve_data
+from blocktrain.blocks.windows import WindowSampler, eval_windows
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 WT2 = SHARED_DATA / "wikitext-2-raw"

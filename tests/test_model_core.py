@@ -9,7 +9,7 @@ import torch
 from blocktrain.blocks.chain import CountingHop
 from blocktrain.blocks.config import ConfigError, ModelConfig
 from blocktrain.blocks.objectives import get_objective
-from blocktrain.blocks.schedule import NoiseSchedule, edm_coefficients, edm_loss_weight
+from blocktrain.blocks.objectives.paper.schedule import NoiseSchedule, edm_coefficients, edm_loss_weight
 from blocktrain.blocks.train import make_optimizer, optimizer_step
 
 from test_utils.configs import tiny_config

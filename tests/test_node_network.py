@@ -81,7 +81,7 @@ def test_swarm_trains_averages_replicas_and_chain_ce_falls(net):
     assert sorted(holders) == [0, 1, 2, 3] and len(holders[1]) == 2
     r1, r2 = (h.peer_id for h in holders[1])
     # the chain as every node starts it (deterministic init), scored on the same held-out windows
-    from blocktrain.blocks.data import eval_windows
+    from blocktrain.blocks.windows import eval_windows
     obj = client.objective
     fresh = [obj.build_block(b) for b in range(client.cfg.n_blocks)]
     windows = eval_windows(split.eval, client.cfg.seq_len, 8)

@@ -12,7 +12,7 @@ from blocktrain.blocks.chain import CountingHop, HopRequest
 from blocktrain.blocks.config import ConfigError
 from blocktrain.blocks.objectives import OBJECTIVES, get_objective
 from blocktrain.blocks.objectives.chunked_masked import ChunkedMaskedObjective
-from blocktrain.blocks.objectives.chunked_masked_net import MASK_ID, block_causal_mask
+from blocktrain.blocks.objectives.chunked_masked.net import MASK_ID, block_causal_mask
 from blocktrain.blocks.train import make_optimizer, optimizer_step
 
 from test_utils.configs import tiny_config

@@ -1,33 +1,7 @@
 """Small helpers shared by objectives."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
-
-
-def autocast(device: torch.device | str):
-    """bf16 autocast on CUDA; plain fp32 elsewhere."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def prepare_prompt(prompt: bytes, n_bytes: int, seq_len: int, *, one_sweep: bool) -> bytes:
-    """Validate a generation request and cut the prompt to what the context window can hold."""
-    if not isinstance(prompt, (bytes, bytearray)):
-        raise TypeError("prompt must be bytes")
-    if n_bytes < 1:
-        raise ValueError(f"n_bytes must be >= 1, got {n_bytes}")
-    p = bytes(prompt) or b"\n"
-    if one_sweep:
-        if n_bytes > seq_len - 1:
-            raise ValueError(f"one-sweep generation emits at most seq_len-1 = {seq_len - 1} bytes, "
-                             f"asked for {n_bytes}")
-        keep = seq_len - n_bytes + 1
-        return p[-keep:]
-    return p[-seq_len:]
 
 
 def stratified_uniform(m: int, generator: torch.Generator | None = None) -> torch.Tensor:

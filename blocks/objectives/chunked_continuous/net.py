@@ -1,9 +1,9 @@
 """The network of one ``chunked-continuous`` block, and the posterior it is wrapped in.
 
-Layout as ``chunked_masked_net`` ([noisy || clean] streams, block-causal mask, BD3-LM): chunk c of
-the noisy stream attends to itself (bidirectionally) and to the clean chunks before it, so every
-chunk of a window is denoised in one pass and chunk c reads only its own noisy state and
-x_0..x_{c*k}. The noisy stream carries continuous states instead of byte ids:
+Layout as chunked-masked's network (``../chunked_masked/net.py``: [noisy || clean] streams,
+block-causal mask, BD3-LM): chunk c of the noisy stream attends to itself (bidirectionally) and to
+the clean chunks before it, so every chunk of a window is denoised in one pass and chunk c reads
+only its own noisy state and x_0..x_{c*k}. The noisy stream carries continuous states instead of byte ids:
 
 * ``ChunkedContinuousNet`` is the raw network F(context, x_in, c_noise) -> (N, T, 256) logits. The
   noisy input is the EDM-scaled state x_in = z / sqrt(sigma^2 + sigma_data^2) through a linear
@@ -26,10 +26,10 @@ import math
 import torch
 from torch import nn
 
-from ..config import ModelConfig
-from ..layers import NoiseEmbedding, init_weights
-from ..target import TargetEmbedding
-from .chunked_masked_net import MASK_ID, ChunkedMaskedNet
+from ...config import ModelConfig
+from ...layers import NoiseEmbedding, init_weights
+from ...target import TargetEmbedding
+from ..chunked_masked.net import MASK_ID, ChunkedMaskedNet
 
 NO_BYTE = MASK_ID      # the "previous byte" id of a position whose previous byte is noisy
 
@@ -85,8 +85,9 @@ class ChunkedContinuousBlock(nn.Module):
         return prior + likelihood
 
     def denoise(self, logits: torch.Tensor) -> torch.Tensor:
-        """Posterior mean of the clean embedding, (N, T, 256) -> (N, T, D)."""
-        return torch.softmax(logits.float(), dim=-1) @ self.target.table.float()
+        """Posterior mean of the clean embedding, (N, T, 256) -> (N, T, D), in fp32 under any autocast."""
+        with torch.autocast(logits.device.type, enabled=False):
+            return torch.softmax(logits.float(), dim=-1) @ self.target.table.float()
 
 
 def log_uniform(lo: float, hi: float, u: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ one range of masking rates per block (issue 8, candidate a).
 Sources: BD3-LM "block diffusion" (Arriola et al. 2025, arXiv 2503.09573) for the chunked model,
 the [noisy || clean] training layout and the block-causal mask; MDLM (Sahoo et al. 2024) for the
 masked-diffusion ELBO; DiffusionBlocks (arXiv 2506.14202), masked variant, for giving each network
-block its own range of the diffusion time. The network lives in ``chunked_masked_net.py``.
+block its own range of the diffusion time. The network lives in ``net.py``.
 
 Model. A window's targets y_0..y_{T-1} (y_i = x_{i+1}, x_0 is given as in the AR reference) are
 cut into chunks of k = ``cfg.chunk_len`` (the last may be shorter, of length k_c). Chunk c is
@@ -68,14 +68,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..chain import Hop, HopRequest, HopResult
-from ..config import ConfigError, ModelConfig
-from .base import Objective, ScoreResult, sample_bytes
-from .chunked_masked_net import MASK_ID, ChunkedMaskedNet, chunk_ids, clean_len
-from .common import autocast, stratified_uniform
+from ...chain import Hop, HopRequest, HopResult, ask_logits, hop_levels, traverse
+from ...config import ConfigError, ModelConfig
+from ...device import autocast, module_device
+from ...hop import LocalHop
+from ...sampling import (Chunk, byte_by_byte, generate_chunks, hop_terms, microbatches, mixture_nll,
+                         sample_bytes, target_logp)
+from ..base import Objective, ScoreResult
+from ..common import stratified_uniform
+from .net import MASK_ID, ChunkedMaskedNet, chunk_ids, clean_len
 
 REVEAL_ORDERS = ("random", "left-to-right")
-SCORE_MICROBATCH = 16
 
 
 def mask_rates_from_config(cfg: ModelConfig) -> torch.Tensor:
@@ -117,44 +120,28 @@ def left_to_right_tau(t: int, k: int) -> torch.Tensor:
     return 1.0 - ((pos % k).double() + 0.5) / lens.double()
 
 
-def aligned_history(prompt: bytes, n_bytes: int, k: int) -> list[int]:
-    """Validate a chunked generation request; the prompt, left-padded with b"\\n" so that generated
-    bytes start on a chunk boundary."""
-    if not isinstance(prompt, (bytes, bytearray)):
-        raise TypeError("prompt must be bytes")
-    if n_bytes < 1:
-        raise ValueError(f"n_bytes must be >= 1, got {n_bytes}")
-    seq = list(bytes(prompt) or b"\n")
-    pad = (-(len(seq) - 1)) % k
-    return [10] * pad + seq
+def resampling(hop: Hop, b: int, temperature: float, generator: torch.Generator | None) -> Hop:
+    """Hop b, but the bytes it reveals are drawn from its logits at ``temperature`` (not greedily)."""
+    def call(req: HopRequest) -> HopResult:
+        out = ask_logits(hop, req, b)
+        revealed = (req.state[..., 0] == MASK_ID) & (out.state[..., 0] != MASK_ID)
+        drawn = sample_bytes(out.logits, temperature, generator).to(out.state.dtype)
+        state = out.state.clone()
+        state[..., 0] = torch.where(revealed, drawn, state[..., 0])
+        return HopResult(state, out.logits)
+    return call
 
 
-def fit_history(hist: list[int], kk: int, k: int, seq_len: int) -> list[int]:
-    """Drop whole chunks from the front until the history plus a chunk of kk bytes fits seq_len."""
-    while len(hist) - 1 + kk > seq_len:
-        hist = hist[k:]
-    return hist
-
-
-class ChunkedMaskedHop:
-    """Runs one block as a hop: logits at every position and the state at the next rate."""
-
-    def __init__(self, block: ChunkedMaskedNet):
-        self.block = block
-
-    @torch.no_grad()
-    def __call__(self, req: HopRequest) -> HopResult:
-        dev = next(self.block.parameters()).device
-        ids = req.state[..., 0].float().round().long().clamp(0, MASK_ID).to(dev)
-        tau = req.state[..., 1].float().to(dev)
-        with autocast(dev):
-            logits = self.block(req.context.to(dev).long(), ids).float()
-        reveal = (ids == MASK_ID) & (tau >= req.sigma_next.to(dev).float().view(-1, 1))
-        new_ids = torch.where(reveal, logits.argmax(-1), ids)
-        out_dev = req.state.device
-        state = req.state.clone()
-        state[..., 0] = new_ids.to(out_dev, state.dtype)
-        return HopResult(state, logits.to(out_dev) if req.want_logits else None)
+def chunked_masked_step(block: ChunkedMaskedNet, req: HopRequest) -> HopResult:
+    """Hop math: logits at every position, and the state at the next rate (the masked positions
+    with tau >= t_next revealed, greedily)."""
+    ids = req.state[..., 0].float().round().long().clamp(0, MASK_ID)
+    tau = req.state[..., 1].float()
+    logits = block(req.context.long(), ids).float()
+    reveal = (ids == MASK_ID) & (tau >= req.sigma_next.float().view(-1, 1))
+    state = req.state.clone()
+    state[..., 0] = torch.where(reveal, logits.argmax(-1), ids).to(state.dtype)
+    return HopResult(state, logits if req.want_logits else None)
 
 
 class ChunkedMaskedObjective(Objective):
@@ -181,8 +168,7 @@ class ChunkedMaskedObjective(Objective):
 
     def rate_range(self, b: int) -> tuple[float, float]:
         """(t_low, t_high) of block b."""
-        if not 0 <= b < self.cfg.n_blocks:
-            raise IndexError(f"block index {b} out of range [0, {self.cfg.n_blocks})")
+        self.check_block(b)
         return float(self.rates[b + 1]), float(self.rates[b])
 
     def range_width(self, b: int) -> float:
@@ -191,7 +177,7 @@ class ChunkedMaskedObjective(Objective):
 
     # -- training -----------------------------------------------------------------------------------
     def build_block(self, b: int) -> nn.Module:
-        self.rate_range(b)
+        self.check_block(b)
         return ChunkedMaskedNet(self.cfg)
 
     def sample_training_mask(self, b: int, n: int, t_len: int,
@@ -238,43 +224,30 @@ class ChunkedMaskedObjective(Objective):
 
     # -- the chain ----------------------------------------------------------------------------------
     def make_hop(self, block, b) -> Hop:
-        return ChunkedMaskedHop(block)
-
-    def _rate_pair(self, b: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        t = self.rates[b].float().expand(n).contiguous().to(device)
-        t_next = self.rates[b + 1].float().expand(n).contiguous().to(device)
-        return t, t_next
+        return LocalHop(block, chunked_masked_step)
 
     def _draw_tau(self, n: int, t_len: int, order: str, generator) -> torch.Tensor:
         if order == "random":
             return torch.rand(n, t_len, generator=generator, dtype=torch.float64)
         return left_to_right_tau(t_len, self.k).unsqueeze(0).expand(n, t_len).clone()
 
-    @torch.no_grad()
-    def _bound_pass(self, hops: Sequence[Hop], windows: torch.Tensor, tau: torch.Tensor, order: str):
+    def _bound_pass(self, hops: Sequence[Hop], windows: torch.Tensor, tau: torch.Tensor):
         """One draw of reveal times through the B hops (hop b = hops[b]). Returns (path NLL per
         chunk (N, C): -log of this path's importance weight, the sum over the chunk's bytes of
         -log p(y_i | z at the rate where i is revealed); per-hop terms (B,): nats of the bytes each
         hop revealed, summed over the batch)."""
-        dev = windows.device
         ctx, y = windows[:, :-1], windows[:, 1:]
-        n, t_len = y.shape
-        tau_d = tau.to(dev)
-        path = torch.zeros(n, math.ceil(t_len / self.k), dtype=torch.float64, device=dev)
+        tau = tau.to(windows.device)
+        path = torch.zeros(y.shape[0], math.ceil(y.shape[1] / self.k), dtype=torch.float64, device=y.device)
         terms = []
         for b, hop in enumerate(hops):
-            tb, tn = float(self.rates[b]), float(self.rates[b + 1])
-            masked = tau_d < tb
-            ids = torch.where(masked, torch.full_like(y, MASK_ID), y)
-            state = torch.stack([ids.float(), tau_d.float()], dim=-1)
-            s, s_next = self._rate_pair(b, n, dev)
-            logits = hop(HopRequest(state, ctx, s, s_next, want_logits=True)).logits
-            if logits is None:
-                raise RuntimeError(f"hop {b} returned no logits although they were requested")
-            ce = -torch.log_softmax(logits.float(), -1).gather(-1, y.unsqueeze(-1)).squeeze(-1).double()
-            revealed = masked & (tau_d >= tn)
-            path += per_chunk_sum(ce * revealed, self.k)
-            terms.append(float((ce * revealed).sum()))
+            masked = tau < float(self.rates[b])
+            state = torch.stack([torch.where(masked, MASK_ID, y).float(), tau.float()], dim=-1)
+            logits = ask_logits(hop, HopRequest(state, ctx, *hop_levels(self.rates, b, state)), b).logits
+            revealed = masked & (tau >= float(self.rates[b + 1]))
+            nats = -target_logp(logits, y).double() * revealed
+            path += per_chunk_sum(nats, self.k)
+            terms.append(float(nats.sum()))
         return path, torch.tensor(terms, dtype=torch.float64)
 
     @torch.no_grad()
@@ -285,18 +258,14 @@ class ChunkedMaskedObjective(Objective):
         k = 1 if order != "random" else max(1, k)      # a fixed order has one path: K draws coincide
         elbo_sum, iwae_sum = 0.0, 0.0
         terms = torch.zeros(len(hops), dtype=torch.float64)
-        for i in range(0, n, SCORE_MICROBATCH):
-            w = windows[i:i + SCORE_MICROBATCH]
+        for w in microbatches(windows):
             paths = []
             for _ in range(k):
-                tau = self._draw_tau(w.shape[0], t_len, order, generator)
-                p, tm = self._bound_pass(hops, w, tau, order)
+                p, tm = self._bound_pass(hops, w, self._draw_tau(w.shape[0], t_len, order, generator))
                 elbo_sum += float(p.sum())
                 terms += tm
                 paths.append(p)
-            logw = -torch.stack(paths)                                   # (K, n, C)
-            iwae = -(torch.logsumexp(logw, 0) - math.log(k))
-            iwae_sum += float(iwae.sum())
+            iwae_sum += float(mixture_nll(-torch.stack(paths)).sum())       # paths: (K, n, C)
         denom = n * t_len
         return {"iwae": iwae_sum / denom, "elbo": elbo_sum / (k * denom), "k": k,
                 "hop_terms": [float(v) / (k * denom) for v in terms]}
@@ -306,34 +275,26 @@ class ChunkedMaskedObjective(Objective):
                          generator: torch.Generator | None = None) -> tuple[float, list[float]]:
         """Held-out estimate of the training objective: L_b through hop b (one draw), and
         sum_b |R_b| L_b, the continuous-time bound of the model that uses block b on R_b."""
-        n, t_len = windows.shape[0], windows.shape[1] - 1
-        dev = windows.device
-        ctx, y = windows[:, :-1], windows[:, 1:]
-        cw = self.chunk_weights(t_len, dev).double()
-        losses = []
-        for b, hop in enumerate(hops):
-            total = 0.0
-            for i in range(0, n, SCORE_MICROBATCH):
-                sl = slice(i, i + SCORE_MICROBATCH)
-                nb = y[sl].shape[0]
-                mask, _ = self.sample_training_mask(b, nb, t_len, generator)
-                mask = mask.to(dev)
-                ids = torch.where(mask, torch.full_like(y[sl], MASK_ID), y[sl])
-                tau = (~mask).float()              # masked: 0, given: 1 (only the logits are used)
-                s, s_next = self._rate_pair(b, nb, dev)
-                logits = hop(HopRequest(torch.stack([ids.float(), tau], -1), ctx[sl], s, s_next,
-                                        want_logits=True)).logits
-                ce = -torch.log_softmax(logits.float(), -1).gather(-1, y[sl].unsqueeze(-1)).squeeze(-1)
-                m = mask.double()
-                h = per_chunk_sum(ce.double() * m, self.k) / per_chunk_sum(m, self.k).clamp_min(1.0)
-                total += float((h * cw).sum())
-            losses.append(total / n)
+        t_len = windows.shape[1] - 1
+        cw = self.chunk_weights(t_len, windows.device).double()
+
+        def term(b: int, hop: Hop, w: torch.Tensor) -> float:
+            ctx, y = w[:, :-1], w[:, 1:]
+            mask = self.sample_training_mask(b, y.shape[0], t_len, generator)[0].to(w.device)
+            tau = (~mask).float()              # masked: 0, given: 1 (only the logits are used)
+            state = torch.stack([torch.where(mask, MASK_ID, y).float(), tau], -1)
+            logits = ask_logits(hop, HopRequest(state, ctx, *hop_levels(self.rates, b, state)), b).logits
+            m = mask.double()
+            nats = -target_logp(logits, y).double() * m
+            h = per_chunk_sum(nats, self.k) / per_chunk_sum(m, self.k).clamp_min(1.0)    # mean over masked bytes
+            return float((h * cw).sum())
+
+        losses = [total / windows.shape[0] for total in hop_terms(hops, windows, term)]
         return sum(self.range_width(b) * L for b, L in enumerate(losses)), losses
 
     @torch.no_grad()
     def score(self, hops, windows, k=4, generator=None) -> ScoreResult:
-        if len(hops) != self.cfg.n_blocks:
-            raise ValueError(f"{len(hops)} hops, but the config has n_blocks = {self.cfg.n_blocks}")
+        self.check_hops(hops)
         main = self.chain_bound(hops, windows, k, self.order, generator)
         other_order = "left-to-right" if self.order == "random" else "random"
         other = self.chain_bound(hops, windows, 1, other_order, generator)
@@ -356,78 +317,50 @@ class ChunkedMaskedObjective(Objective):
 
     @torch.no_grad()
     def block_alone_ce(self, block, b, windows, generator=None) -> float:
-        hop = self.make_hop(block, b)
-        dev = next(block.parameters()).device
-        res = self.chain_bound([hop] * self.cfg.n_blocks, windows.to(dev), 1, self.order, generator)
-        return res["elbo"]
+        """Block b used for every one of the B steps: what block b alone is as a model."""
+        hops = [self.make_hop(block, b)] * self.cfg.n_blocks
+        return self.chain_bound(hops, windows.to(module_device(block)), 1, self.order, generator)["elbo"]
 
     # -- generation ---------------------------------------------------------------------------------
-    def _aligned_history(self, prompt: bytes, n_bytes: int) -> list[int]:
-        return aligned_history(prompt, n_bytes, self.k)
-
-    def _chunk_request(self, hist: list[int], kk: int) -> tuple[list[int], torch.Tensor, torch.Tensor, int]:
-        """Cut the history to fit seq_len (whole chunks) and build (hist, context, state, c0)."""
-        hist = fit_history(hist, kk, self.k, self.cfg.seq_len)
-        c0 = len(hist) - 1
-        t_len = c0 + kk
-        ctx = torch.tensor(hist + [0] * (kk - 1), dtype=torch.long).unsqueeze(0)
-        state = torch.zeros(1, t_len, 2)
-        state[0, :c0, 0] = torch.tensor(hist[1:], dtype=torch.float32)
-        state[0, :c0, 1] = 1.0                     # given bytes
-        state[0, c0:, 0] = float(MASK_ID)
-        return hist, ctx, state, c0
-
-    def _run_hops(self, hops, state, ctx, temperature, generator) -> torch.Tensor:
-        """One traversal: each hop called once; revealed bytes resampled when temperature > 0."""
-        for b, hop in enumerate(hops):
-            s, s_next = self._rate_pair(b, 1, ctx.device)
-            out = hop(HopRequest(state, ctx, s, s_next, want_logits=temperature > 0))
-            new = out.state
-            if temperature > 0:
-                if out.logits is None:
-                    raise RuntimeError(f"hop {b} returned no logits although they were requested")
-                revealed = (state[..., 0] == MASK_ID) & (new[..., 0] != MASK_ID)
-                drawn = sample_bytes(out.logits, temperature, generator).to(new.dtype)
-                new = new.clone()
-                new[..., 0] = torch.where(revealed, drawn, new[..., 0])
-            state = new
+    def _chunk_state(self, chunk: Chunk) -> torch.Tensor:
+        """(1, T, 2): the history's bytes given (tau = 1), the chunk's bytes masked."""
+        state = torch.zeros(1, chunk.start + chunk.length, 2)
+        state[0, :chunk.start, 0] = torch.tensor(chunk.history[1:], dtype=torch.float32)
+        state[0, :chunk.start, 1] = 1.0
+        state[0, chunk.start:, 0] = float(MASK_ID)
         return state
+
+    def _traverse(self, hops, state, ctx, temperature, generator) -> torch.Tensor:
+        """One traversal: each hop called once; revealed bytes resampled when temperature > 0."""
+        if temperature > 0:
+            hops = [resampling(hop, b, temperature, generator) for b, hop in enumerate(hops)]
+        return traverse(hops, self.rates, state, ctx, logits_from="none")[0]
 
     @torch.no_grad()
     def generate_one_sweep(self, hops, prompt, n_bytes, *, temperature=0.0, generator=None) -> bytes:
-        hist = self._aligned_history(prompt, n_bytes)
-        out: list[int] = []
-        while len(out) < n_bytes:                   # ceil(n_bytes / k) traversals
-            kk = min(self.k, n_bytes - len(out))
-            hist, ctx, state, c0 = self._chunk_request(hist, kk)
-            state[0, c0:, 1] = self._draw_tau(1, kk, self.order, generator)[0].float()
-            state = self._run_hops(hops, state, ctx, temperature, generator)
-            ids = state[0, c0:, 0].round().long()
+        """ceil(n_bytes / k) traversals: each reveals a whole chunk in the configured order."""
+        def emit(chunk: Chunk) -> list[int]:
+            state = self._chunk_state(chunk)
+            state[0, chunk.start:, 1] = self._draw_tau(1, chunk.length, self.order, generator)[0].float()
+            ids = self._traverse(hops, state, chunk.context, temperature, generator)[0, chunk.start:, 0]
+            ids = ids.round().long()
             if bool((ids == MASK_ID).any()):
                 raise RuntimeError("a traversal left masked bytes in the chunk")
-            new = ids.tolist()
-            out += new
-            hist = hist + new
-        return bytes(out)
+            return ids.tolist()
+        return generate_chunks(prompt, n_bytes, chunk_len=self.k, seq_len=self.cfg.seq_len, emit=emit)
 
     @torch.no_grad()
     def generate_autoregressive(self, hops, prompt, n_bytes, *, temperature=0.0, generator=None) -> bytes:
-        hist = self._aligned_history(prompt, n_bytes)
-        out: list[int] = []
-        while len(out) < n_bytes:
-            kk = min(self.k, n_bytes - len(out))
-            hist, ctx, state0, c0 = self._chunk_request(hist, kk)
-            l2r = left_to_right_tau(kk, self.k)
-            chunk: list[int] = []
-            for m in range(kk):                     # one traversal per byte
-                state = state0.clone()
-                if m:
-                    state[0, c0:c0 + m, 0] = torch.tensor(chunk, dtype=torch.float32)
-                    state[0, c0:c0 + m, 1] = 1.0
-                state[0, c0 + m, 1] = float(l2r[m])     # revealed by the hop whose range holds it
-                state[0, c0 + m + 1:, 1] = -1.0         # stays masked in this traversal
-                state = self._run_hops(hops, state, ctx, temperature, generator)
-                chunk.append(int(state[0, c0 + m, 0].round()))
-            out += chunk
-            hist = hist + chunk
-        return bytes(out)
+        """One traversal per byte: byte m of a chunk is revealed by the hop whose range holds its
+        left-to-right reveal time, the bytes before it known, those after it masked."""
+        def emit_byte(chunk: Chunk, known: list[int]) -> int:
+            m, c0 = len(known), chunk.start
+            state = self._chunk_state(chunk)
+            if m:
+                state[0, c0:c0 + m, 0] = torch.tensor(known, dtype=torch.float32)
+                state[0, c0:c0 + m, 1] = 1.0
+            state[0, c0 + m, 1] = float(left_to_right_tau(chunk.length, self.k)[m])
+            state[0, c0 + m + 1:, 1] = -1.0         # stays masked in this traversal
+            return int(self._traverse(hops, state, chunk.context, temperature, generator)[0, c0 + m, 0].round())
+        return generate_chunks(prompt, n_bytes, chunk_len=self.k, seq_len=self.cfg.seq_len,
+                               emit=byte_by_byte(emit_byte))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import ModelConfig
+from ...config import ModelConfig
 
 _SQRT2 = math.sqrt(2.0)
 

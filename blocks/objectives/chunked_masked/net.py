@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import ModelConfig
-from ..layers import TransformerLayer, init_weights
+from ...config import ModelConfig
+from ...layers import TransformerLayer, init_weights
 
 MASK_ID = 256          # the absorbing state; byte ids are 0..255
 N_IDS = 257            # bytes + MASK
