@@ -114,7 +114,7 @@ def test_bad_checkpoint_directories_give_one_clear_line(tmp_path, trained):
         load(tmp_path / "missing")
     r = gen("--checkpoint", str(out), "--http", "http://127.0.0.1:9")
     assert r.exit_code == 2
-    assert "exactly one of --checkpoint DIR, --initial-peers MULTIADDR or --http URL" in r.stderr
+    assert "exactly one of --checkpoint DIR, --initial-peers MULTIADDR (or --run RUN@MULTIADDR) or --http URL" in r.stderr
 
 
 BLOCKED = ("hivemind", "fastapi", "httpx", "uvicorn", "pydantic", "multiaddr",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -51,17 +52,29 @@ class Router:
     def __init__(self, discovery, client, run_id: str, n_blocks: int, *,
                  local_hops: dict[int, Hop] | None = None, self_peer: str = "",
                  hop_timeout: float = 20.0, max_parallel: int = 4, stranger_hedge_s: float = 0.5,
-                 bans: PeerBans | None = None, ranking: HolderRanking | None = None):
+                 holders_ttl: float = 3.0, bans: PeerBans | None = None, ranking: HolderRanking | None = None):
         self.discovery, self.client, self.run_id, self.n_blocks = discovery, client, run_id, n_blocks
         self.local_hops = dict(local_hops or {})
         self.self_peer = self_peer
         self.hop_timeout, self.max_parallel, self.stranger_hedge_s = hop_timeout, max_parallel, stranger_hedge_s
         self.bans = bans or PeerBans()
         self.ranking = ranking or HolderRanking()
+        self.holders_ttl = holders_ttl
+        self._holders: tuple[float, dict] = (-1e9, {})
+        self._holders_lock = threading.Lock()
 
-    def candidates(self, b: int, exclude: set[str]) -> list[str]:
+    def holders(self, fresh: bool = False) -> dict:
+        """The announced holders per block, read from the DHT at most every ``holders_ttl`` seconds."""
+        with self._holders_lock:
+            t, hs = self._holders
+            if fresh or time.monotonic() - t > self.holders_ttl:
+                hs = self.discovery.list_holders(self.run_id)
+                self._holders = (time.monotonic(), hs)
+            return hs
+
+    def candidates(self, b: int, exclude: set[str], fresh: bool = False) -> list[str]:
         """Serving holders of block b (as announced), best first by this node's measurements."""
-        holders = self.discovery.list_holders(self.run_id).get(b, [])
+        holders = self.holders(fresh).get(b, [])
         usable = [a.peer_id for a in holders if a.state == "online" and a.serving and a.peer_id not in exclude]
         return self.ranking.order(usable)
 
@@ -104,7 +117,7 @@ class Router:
                     break
                 if not queue and not inflight and not refreshed:   # one fresh read of the DHT
                     refreshed = True
-                    fresh = self.candidates(b, self.bans.banned() | tried)
+                    fresh = self.candidates(b, self.bans.banned() | tried, fresh=True)
                     known[:] = list(dict.fromkeys([*known, *fresh]))
                     queue = fresh
                 if not queue and not inflight:

@@ -1,0 +1,213 @@
+"""An outsider attacking a BlockTrain run with a plain hivemind peer: no BlockTrain code, only
+hivemind and what anyone can read off the wire (key names, record fields, handler names).
+
+    python tests/test_utils/outsider.py --initial-peer MADDR
+
+Speaks the JSON-lines protocol of ``wire_procs.NodeProc``: prints ``{"event": "ready", ...}``, then
+answers one JSON line per command on stdin:
+
+* ``forge_manifest``: store a manifest for an existing run id, signed by the outsider's own key
+  (so it is a well-formed claim by a second seeder), with ``created_at`` 1.0 and any data spec;
+* ``fake_runs``: write entries under the old run-index key and a manifest for a fake run;
+* ``sybils``: N fresh RSA identities announce themselves as holders of one block (valid
+  signatures, claimed throughput 10^6 samples/s); ``stall`` of them run a real p2p daemon that
+  accepts the block's hop streams and never answers, the rest list an address nobody answers on;
+* ``quit``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import threading
+import time
+from functools import partial
+
+from hivemind.dht import DHT
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.validation import DHTRecord, RecordValidatorBase
+from hivemind.p2p import P2PContext, PeerID, ServicerBase
+from hivemind.proto import crypto_pb2, runtime_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+
+
+def owner(key: RSAPrivateKey) -> bytes:
+    return b"[owner:" + key.get_public_key().to_bytes() + b"]"
+
+
+def peer_id_of(key: RSAPrivateKey) -> str:
+    """libp2p's peer id of an RSA key (hivemind's own PeerID.from_identity over the key protobuf)."""
+    from cryptography.hazmat.primitives import serialization
+    der = key._private_key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL,
+                                         serialization.NoEncryption())
+    return PeerID.from_identity(crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()).to_base58()
+
+
+class ManyKeysSigner(RecordValidatorBase):
+    """Signs each record with whichever of our keys its subkey names (each identity signs its own
+    records, as hivemind's RSASignatureValidator does for one key); accepts everything it reads."""
+
+    def __init__(self, keys: list[RSAPrivateKey]):
+        self.by_marker = {owner(k): RSASignatureValidator(k) for k in keys}
+
+    def add(self, key: RSAPrivateKey) -> None:
+        self.by_marker[owner(key)] = RSASignatureValidator(key)
+
+    def sign_value(self, record: DHTRecord) -> bytes:
+        for marker, v in self.by_marker.items():
+            if marker in record.key or marker in record.subkey:
+                return v.sign_value(record)
+        return record.value
+
+    def strip_value(self, record: DHTRecord) -> bytes:
+        return RSASignatureValidator.strip_value(next(iter(self.by_marker.values())), record)
+
+    def validate(self, record: DHTRecord) -> bool:
+        return True
+
+    @property
+    def priority(self) -> int:
+        return 10
+
+    def merge_with(self, other) -> bool:
+        return False
+
+
+class BlockService(ServicerBase):
+    """Named like the holders' servicer, so hivemind routes the block's hop streams here; never answers."""
+
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        await asyncio.sleep(3600)
+        return runtime_pb2.ExpertResponse()
+
+    async def rpc_forward_stream(self, requests, context: P2PContext):
+        await asyncio.sleep(3600)
+        yield runtime_pb2.ExpertResponse()
+
+
+async def _serve_stalling(_dht, node, namespace: str) -> None:   # runs in the staller's DHT process
+    await BlockService().add_p2p_handlers(node.p2p, namespace=namespace)
+
+
+def reply(obj) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+class Outsider:
+    def __init__(self, initial_peer: str):
+        self.initial_peer = initial_peer
+        self.key = RSAPrivateKey()
+        self.signer = ManyKeysSigner([self.key])
+        self.dht = DHT(initial_peers=[initial_peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                       record_validators=[self.signer])
+        self.stallers: list[DHT] = []
+        self._refresh: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    def forge_manifest(self, run_id: str, data_spec: str, created_at: float = 1.0, config_hash: str | None = None,
+                       model_config: dict | None = None) -> bool:
+        key = f"{run_id}_manifest"
+        honest = self.dht.get(key, latest=True)
+        value = None
+        if honest is not None and isinstance(honest.value, dict):   # copy the honest claim's fields
+            for item in honest.value.values():
+                if isinstance(item.value, dict):
+                    value = dict(item.value)
+                    break
+        if value is None:
+            value = {"run_id": run_id, "model_config": model_config or {}, "config_hash": config_hash or "0" * 16,
+                     "target_seed": 0, "protocol_version": 1}
+        value.update(data_spec=data_spec, created_at=float(created_at),
+                     seeder_public_key=self.key.get_public_key().to_bytes().decode())
+        if config_hash is not None:
+            value["config_hash"] = config_hash
+        return bool(self.dht.store(key, value, get_dht_time() + 3600, subkey=owner(self.key)))
+
+    def fake_runs(self, fake_run: str) -> dict:
+        entry = {"run_id": fake_run, "config_hash": "0123456789abcdef", "created_at": 1.0}
+        index = self.dht.store("blocktrain_runs", entry, get_dht_time() + 3600, subkey=fake_run.encode() + owner(self.key))
+        m = self.forge_manifest(fake_run, "wikitext-2", config_hash="0123456789abcdef")
+        return {"index": bool(index), "manifest": m}
+
+    def sybils(self, run_id: str, block: int, config_hash: str, n: int, stall: int = 0) -> dict:
+        keys = [RSAPrivateKey() for _ in range(n)]
+        for k in keys:
+            self.signer.add(k)
+        stall_addrs = {}
+        for k in keys[:stall]:   # a real daemon under that identity, whose hop handler never answers
+            path = f"/tmp/outsider-{peer_id_of(k)[-12:]}.key"
+            with open(path, "wb") as f:
+                f.write(crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=k._private_key.private_bytes(
+                    *_der_args())).SerializeToString())
+            d = DHT(initial_peers=[self.initial_peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                    identity_path=path, check_if_identity_free=False, client_mode=False)
+            self.stallers.append(d)
+            d.run_coroutine(partial(_serve_stalling, namespace=f"bt_{run_id}_b{block}"))
+            stall_addrs[peer_id_of(k)] = [str(m) for m in d.get_visible_maddrs()]
+        records = []
+        for k in keys:
+            pid = peer_id_of(k)
+            records.append((k, {
+                "peer_id": pid, "block_index": block, "state": "online", "step": 10 ** 9, "samples_seen": 10 ** 9,
+                "throughput": 1e6, "loss": 0.01, "last_round_time": time.time(), "serving": True,
+                "addresses": stall_addrs.get(pid, [f"/ip4/127.0.0.1/tcp/1/p2p/{pid}"]),
+                "software_version": "blocktrain/0.1.0", "config_hash": config_hash, "run_id": run_id}))
+
+        def announce_forever():
+            while not self._stop.is_set():
+                for k, value in records:
+                    value["last_round_time"] = time.time()
+                    self.dht.store(f"{run_id}_blocks", value, get_dht_time() + 30,
+                                   subkey=str(block).encode() + owner(k))
+                self._stop.wait(10)
+        stored = sum(bool(self.dht.store(f"{run_id}_blocks", v, get_dht_time() + 30,
+                                         subkey=str(block).encode() + owner(k))) for k, v in records)
+        self._refresh = threading.Thread(target=announce_forever, daemon=True)
+        self._refresh.start()
+        return {"stored": stored, "peer_ids": [v["peer_id"] for _, v in records], "stalling": list(stall_addrs)}
+
+    def close(self) -> None:
+        self._stop.set()
+        for d in [*self.stallers, self.dht]:
+            try:
+                d.shutdown()
+            except Exception:
+                pass
+
+
+def _der_args():
+    from cryptography.hazmat.primitives import serialization
+    return (serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--initial-peer", required=True)
+    args = ap.parse_args()
+    try:
+        o = Outsider(args.initial_peer)
+    except Exception as e:
+        reply({"event": "failed", "error": type(e).__name__, "message": str(e)})
+        return
+    reply({"event": "ready", "peer_id": peer_id_of(o.key), "maddrs": o.maddrs()})
+    try:
+        for line in sys.stdin:
+            c = json.loads(line)
+            cmd = c.pop("cmd")
+            if cmd == "quit":
+                break
+            try:
+                reply({"ok": True, "result": getattr(o, cmd)(**c)})
+            except Exception as e:
+                reply({"ok": False, "error": type(e).__name__, "message": str(e)})
+    finally:
+        o.close()
+
+
+if __name__ == "__main__":
+    main()
