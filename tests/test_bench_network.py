@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from test_utils.configs import TEST_CORPUS, TEST_CORPUS_PROTOCOL
+
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
 
@@ -26,8 +28,8 @@ def bt_json(*args, timeout=420) -> dict:
 
 
 def test_bench_inference_tiny_json():
-    r = bt_json("bench", "inference", "--tiny", "--json")
-    assert r["bench"] == "inference"
+    r = bt_json("bench", "inference", "--tiny", "--json", "--data", str(TEST_CORPUS))
+    assert r["bench"] == "inference" and r["protocol"] == TEST_CORPUS_PROTOCOL
     assert r["hops"] == 2 and r["delay_ms"] == 25.0
     assert r["speedup"] > 1.0
     assert set(r["bytes_out"]) == {"one_sweep", "autoregressive"}
@@ -53,8 +55,8 @@ def test_bench_inference_tiny_json():
 
 
 def test_bench_swarm_tiny_json():
-    r = bt_json("bench", "swarm", "--tiny", "--json")
-    assert r["bench"] == "swarm"
+    r = bt_json("bench", "swarm", "--tiny", "--json", "--data", str(TEST_CORPUS))
+    assert r["bench"] == "swarm" and r["protocol"] == TEST_CORPUS_PROTOCOL
     runs = r["runs"]
     assert set(runs) == {"baseline", "avg-fp32"}
     base, avg = runs["baseline"], runs["avg-fp32"]
