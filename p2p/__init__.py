@@ -6,8 +6,7 @@ Modules, one concern each:
 * ``identity``   persistent, locked node identity; one RSA key = PeerID + DHT record signer (``NodeIdentity``)
 * ``records``    pydantic models ``RunManifest``, ``BlockAnnouncement``
 * ``dht_schema`` DHT keys/subkeys and the strict schemas every node enforces (``make_validators``)
-* ``discovery``  ``Discovery``: start/join the DHT, manifest, announce/withdraw, holders, chains
-* ``chain``      ``plan_chain`` / ``ChainPlan``: one ranked holder per block with alternates
+* ``discovery``  ``Discovery``: start/join the DHT, manifest, announce/withdraw, holders
 * ``hops``       hop request/response types, ``HopLimits`` and request validation
 * ``tensors``    strict tensor codec and streaming reassembly
 * ``rpc_server`` ``BlockRPCServer`` / ``BlockService`` (hivemind ServicerBase, one namespace per block)
@@ -15,8 +14,6 @@ Modules, one concern each:
 * ``traffic``    ``TrafficCounter``: bytes on the wire
 * ``aioloop``    ``LoopThread``: an event loop in a thread for thread-based callers
 * ``errors``     every error type raised here
-* ``microbench`` ``python -m blocktrain.bench.p2p [--json]``
-* ``_testnode``  a controllable node process for tests and benchmarks
 
 Submodules are not imported here, so ``import blocktrain.p2p`` stays cheap.
 """

@@ -1,4 +1,4 @@
-"""Discovery on a hivemind DHT: start/join, run manifest, signed block announcements, holder lists, chains.
+"""Discovery on a hivemind DHT: start/join, run manifest, signed block announcements, holder lists.
 
 Every method exists twice: ``aX()`` is a coroutine for callers inside an event loop (it awaits
 hivemind's ``return_future=True`` futures, never blocking the loop); ``X()`` is the blocking form
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -25,13 +25,12 @@ from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
 
 from blocktrain.p2p.addresses import parse_initial_peers, parse_multiaddr
 from blocktrain.p2p.aioloop import LoopThread, in_event_loop
-from blocktrain.p2p.chain import ChainPlan, RankKey, plan_chain
 from blocktrain.p2p.dht_schema import (
     block_subkey, blocks_key, make_validators, manifest_key, owner_marker, parse_block_subkey,
     parse_owner_marker, run_schema_validator,
 )
 from blocktrain.p2p.errors import (
-    ConfigMismatchError, DiscoveryError, IdentityError, IdentityInUseError, ManifestConflictError, MissingBlockError,
+    ConfigMismatchError, DiscoveryError, IdentityError, IdentityInUseError, ManifestConflictError,
     RecordError, RunNotFoundError,
 )
 from blocktrain.p2p.identity import NodeIdentity, peer_id_from_public_key
@@ -39,7 +38,7 @@ from blocktrain.p2p.run_index import RUNS_KEY, parse_run_index, run_subkey
 from blocktrain.p2p.records import PROTOCOL_VERSION, BlockAnnouncement, RunManifest, validate_run_id
 
 __all__ = [
-    "Discovery", "DEFAULT_TTL", "MANIFEST_TTL", "ConfigMismatchError", "RunNotFoundError", "MissingBlockError",
+    "Discovery", "DEFAULT_TTL", "MANIFEST_TTL", "ConfigMismatchError", "RunNotFoundError",
     "ManifestConflictError",
 ]
 
@@ -410,24 +409,6 @@ class Discovery:
         """Live holders per block: signed by the peer they name, not tombstoned, state joining/online,
         matching ``config_hash`` (default: the run manifest's)."""
         return self._sync(self.alist_holders(run_id, config_hash), "list_holders")
-
-    async def abuild_chain(
-        self, run_id: str, n_blocks: int, *, rank_key: RankKey | None = None,
-        rtt_s: Mapping[str, float] | None = None, exclude: Collection[str] = (), config_hash: str | None = None,
-    ) -> ChainPlan:
-        holders = await self.alist_holders(run_id, config_hash)
-        return plan_chain(run_id, holders, n_blocks, rank_key=rank_key, rtt_s=rtt_s, exclude=exclude)
-
-    def build_chain(
-        self, run_id: str, n_blocks: int, *, rank_key: RankKey | None = None,
-        rtt_s: Mapping[str, float] | None = None, exclude: Collection[str] = (), config_hash: str | None = None,
-    ) -> ChainPlan:
-        """One online+serving holder per block 0..n_blocks-1 with ranked alternates; MissingBlockError if none."""
-        return self._sync(
-            self.abuild_chain(run_id, n_blocks, rank_key=rank_key, rtt_s=rtt_s, exclude=exclude,
-                              config_hash=config_hash),
-            "build_chain",
-        )
 
 
 # -- interpretation of raw DHT results (pure) ----------------------------------------------------

@@ -111,26 +111,6 @@ def test_tombstone_removes_holder(net):
     assert entries and all(e["value"] is None for e in entries), "the tombstone is what B stores now"
 
 
-def test_chain_picks_one_holder_per_block_and_reports_missing_block(net):
-    a, b, c = net["A"], net["B"], net["C"]
-    run = "chain-test"  # a fresh run so blocks 0..2 are ours alone
-    a.cmd("publish_manifest", config_hash=HASH, run_id=run)
-    a.cmd("announce", block_index=0, config_hash=HASH, run_id=run)
-    b.cmd("announce", block_index=1, config_hash=HASH, run_id=run, load=0.9)
-    c.cmd("announce", block_index=1, config_hash=HASH, run_id=run, load=0.1)
-    assert _until(lambda: len(holders(c, run_id=run).get("1", [])) == 2)
-    plan = c.cmd("build_chain", n_blocks=2, run_id=run)
-    assert plan == [[a.peer_id, []], [c.peer_id, [b.peer_id]]]  # block 1: lower load first, B as alternate
-    plan = c.cmd("build_chain", n_blocks=2, run_id=run, exclude=[c.peer_id])
-    assert plan[1][0] == b.peer_id
-    with pytest.raises(NodeCommandError) as e:
-        c.cmd("build_chain", n_blocks=3, run_id=run)
-    assert e.value.error == "MissingBlockError" and "block 2 has no live holder" in e.value.message
-    with pytest.raises(NodeCommandError) as e:
-        c.cmd("build_chain", n_blocks=2, run_id=run, exclude=[a.peer_id])
-    assert e.value.error == "MissingBlockError" and "block 0" in e.value.message
-
-
 def test_forged_and_schema_violating_records_are_rejected(net):
     a, b, c = net["A"], net["B"], net["C"]
     assert a.cmd("announce", block_index=0, config_hash=HASH) is True

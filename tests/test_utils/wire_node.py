@@ -1,4 +1,4 @@
-"""A controllable wire-layer node for tests, benchmarks and manual debugging (tests only).
+"""A controllable wire-layer node for the p2p tests and manual debugging (tests only).
 
     python tests/test_utils/wire_node.py [--identity PATH] [--initial-peer MADDR ...] --run-id R [--serve-rpc ...]
 
@@ -131,10 +131,6 @@ class ControlledNode:
             h = self.disc.list_holders(run, c.get("config_hash"))
             return {str(b): [{"peer_id": a.peer_id, "step": a.step, "state": a.state} for a in anns]
                     for b, anns in h.items()}
-        if cmd == "build_chain":
-            plan = self.disc.build_chain(run, c["n_blocks"], exclude=set(c.get("exclude", [])),
-                                         config_hash=c.get("config_hash"))
-            return [[h.primary.peer_id, [a.peer_id for a in h.alternates]] for h in plan.hops]
         if cmd == "local_entries":
             return self.disc.dht.run_coroutine(partial(_local_entries, key=blocks_key(run)))
         if cmd == "fetched_entries":  # what a DHT lookup returns before readers interpret it
