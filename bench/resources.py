@@ -102,12 +102,6 @@ def peak_tflops_for(device_name: str) -> tuple[float | None, str]:
     return None, f"no peak known for '{device_name}' (pass --peak-tflops)"
 
 
-def tiny_config(cfg: ModelConfig | None = None) -> ModelConfig:
-    base = (cfg or ModelConfig()).to_dict()
-    base.update(TINY_OVERRIDES)
-    return ModelConfig.from_dict(base, source="--tiny")
-
-
 def primer_config(cfg: ModelConfig) -> ModelConfig:
     """A minute model of the same kind, used to warm the runtime before the memory baseline."""
     seq = min(cfg.seq_len, 8)

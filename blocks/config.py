@@ -62,10 +62,6 @@ class ModelConfig:
 
     # -- derived ---------------------------------------------------------------------------
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
     def reference_layers(self) -> int:
         """Layers of the end-to-end reference with the same total depth as the chain."""
         return self.n_blocks * self.layers_per_block

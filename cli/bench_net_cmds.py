@@ -1,4 +1,4 @@
-"""bt-node bench swarm / bench inference: the network benchmarks (thin; logic in node/bench_*.py)."""
+"""bt-node bench swarm / inference / compression / p2p: the network benchmarks (thin; logic in bench/)."""
 from __future__ import annotations
 
 import json
@@ -276,3 +276,30 @@ def bench_inference_cmd(lengths, delay_ms, train_budget, reference_budget, promp
         err_console.print(inference_table(res))
         click.echo(f"{res['headline_bytes']} bytes at {res['delay_ms']:g} ms per hop: one-sweep is "
                    f"{res['speedup']:.1f}x faster than autoregressive")
+
+
+# -- bench p2p -----------------------------------------------------------------------------------
+@click.command("p2p")
+@click.option("--lookups", type=click.IntRange(1), default=20, show_default=True, help="DHT lookups timed.")
+@click.option("--hops", type=click.IntRange(1), default=30, show_default=True,
+              help="Small hop round trips timed.")
+@click.option("--large", type=click.IntRange(1), default=3, show_default=True,
+              help="16 MiB streamed hops and 16 MiB block-state downloads timed.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@friendly
+def bench_p2p_cmd(lookups, hops, large, as_json):
+    """Loopback micro-benchmark of the wire: DHT lookup, hop RPC round trip, streamed throughput.
+
+    \b
+    Three DHT nodes on 127.0.0.1 (one a separate server process holding block 0 with a cheap
+    deterministic hop); medians. Same as python -m blocktrain.bench.p2p.
+    Example:
+      bt-node bench p2p --json
+    """
+    from blocktrain.bench.p2p import run, table   # imports hivemind
+
+    res = run(lookups, hops, large)
+    if as_json:
+        emit_json(res)
+    else:
+        click.echo(table(res))

@@ -1,14 +1,16 @@
-"""bt-node train-local / eval / bench quality: training and scoring without a network."""
+"""bt-node train-local / eval / bench quality: training and scoring without a network (bench quality's
+logic: bench/quality.py)."""
 from __future__ import annotations
 
 import click
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..blocks.budget import Budget
-from ..blocks.data import resolve_data
-from ..blocks.device import pick_device
-from ..blocks.evaluate import evaluate_checkpoint_dir
-from ..blocks.local_run import LocalRun
+from blocktrain.bench.quality import quality_result, quality_run
+from blocktrain.blocks.budget import Budget
+from blocktrain.blocks.data import resolve_data
+from blocktrain.blocks.device import pick_device
+from blocktrain.blocks.evaluate import evaluate_checkpoint_dir
+from blocktrain.blocks.local_run import LocalRun
 from .config_opts import build_config, config_options
 from .errors import friendly
 from .render import emit_json, err_console, eval_table
@@ -24,16 +26,13 @@ def data_options(fn):
     return fn
 
 
-def _train(cfg, data, eval_data, budget, device, seed, small_reference, quiet, reference=True,
-           match_flops=False, upstream_every=1):
-    split = resolve_data(data, eval_data, seq_len=cfg.seq_len)
-    run = LocalRun(cfg, split, pick_device(device), seed=seed, reference=reference,
-                   small_reference=small_reference, match_flops=match_flops, upstream_every=upstream_every)
+def _train(run: LocalRun, budget: Budget, quiet: bool) -> None:
+    """Train ``run`` for ``budget`` with a progress bar on stderr (none when ``quiet``)."""
     if not quiet:
-        err_console.print(f"[bold]data[/]: {split.description}  [bold]protocol[/]: {split.protocol}")
+        err_console.print(f"[bold]data[/]: {run.split.description}  [bold]protocol[/]: {run.split.protocol}")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[info]}"),
                   TimeElapsedColumn(), console=err_console, disable=quiet, transient=True) as bar:
-        what = f"{cfg.n_blocks} blocks" + (" + reference" if reference else "")
+        what = f"{run.cfg.n_blocks} blocks" + (" + reference" if run.reference else "")
         task = bar.add_task(f"training {what}", total=1.0, info="")
 
         def on_round(r: LocalRun, frac: float) -> None:
@@ -42,7 +41,6 @@ def _train(cfg, data, eval_data, budget, device, seed, small_reference, quiet, r
                 bar.update(task, completed=frac, info=f"round {r.rounds}  {losses}")
 
         run.train(budget, on_round)
-    return run
 
 
 @click.command("train-local")
@@ -68,7 +66,10 @@ def train_local(data, eval_data, config_path, objective, overrides, budget, out,
       bt-node train-local --data ../shared/data/wikitext-2-raw --budget 90s --out runs/local
     """
     cfg = build_config(config_path, objective, overrides)
-    run = _train(cfg, data, eval_data, Budget.parse(budget), device, seed, False, as_json, reference)
+    budget = Budget.parse(budget)
+    split = resolve_data(data, eval_data, seq_len=cfg.seq_len)
+    run = LocalRun(cfg, split, pick_device(device), seed=seed, reference=reference)
+    _train(run, budget, as_json)
     res = run.evaluate(n_windows=eval_windows, k=k)
     if out:
         run.save(out)
@@ -122,15 +123,11 @@ def bench_quality(data, eval_data, config_path, objective, overrides, budget, de
       bt-node bench quality --data ../shared/data/wikitext-2-raw --budget 120s --json
     """
     cfg = build_config(config_path, objective, overrides)
-    run = _train(cfg, data, eval_data, Budget.parse(budget), device, seed, True, as_json,
-                 match_flops=True, upstream_every=upstream_every)
-    res = run.evaluate(n_windows=eval_windows, k=k)
-    flops = run.flops()
-    res["flops_each"] = {"chain": flops["chain"], "reference": flops.get("reference"),
-                         "single_block_reference": flops.get("reference_1block")}
-    res["steps_each"] = {tr.name: tr.steps for tr in run.trainees}
-    if run.objective.needs_upstream:
-        res["upstream_every"] = upstream_every
+    budget = Budget.parse(budget)
+    split = resolve_data(data, eval_data, seq_len=cfg.seq_len)
+    run = quality_run(cfg, split, pick_device(device), seed=seed, upstream_every=upstream_every)
+    _train(run, budget, as_json)
+    res = quality_result(run, k=k, eval_windows=eval_windows)
     _report(res, as_json, "bench quality (equal training FLOPs)")
 
 

@@ -180,10 +180,6 @@ class NodeIdentity:
         """The record-signing public key in OpenSSH form (what RSASignatureValidator puts in subkeys)."""
         return self.record_key.get_public_key().to_bytes()
 
-    @property
-    def locked(self) -> bool:
-        return self._lock_file is not None and not self._lock_file.closed
-
     def close(self) -> None:
         """Release the lock (the key file stays)."""
         if self._lock_file is not None and not self._lock_file.closed:

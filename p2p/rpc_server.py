@@ -270,10 +270,6 @@ class BlockRPCServer:
         self._executor = ThreadPoolExecutor(max_workers=limits.max_inflight + 1, thread_name_prefix="bt-hop")
         self._services: dict[int, BlockService] = {}
 
-    @property
-    def served_blocks(self) -> list[int]:
-        return sorted(self._services)
-
     async def add_block(self, block_index: int) -> None:
         if block_index not in self.limits.allowed_blocks:
             allowed = sorted(self.limits.allowed_blocks)

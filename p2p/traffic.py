@@ -41,7 +41,3 @@ class TrafficCounter:
     def snapshot(self) -> TrafficSnapshot:
         with self._lock:
             return TrafficSnapshot(self.bytes_sent, self.bytes_received, self.calls, self.errors)
-
-    def reset(self) -> None:
-        with self._lock:
-            self.bytes_sent = self.bytes_received = self.calls = self.errors = 0

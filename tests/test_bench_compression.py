@@ -17,6 +17,8 @@ pytest.importorskip("hivemind")
 from blocktrain.p2p.averager import make_compression, patch_8bit_decoder  # noqa: E402
 from blocktrain.bench.compression import butterfly_average, codec_round_trip  # noqa: E402
 
+from test_utils.configs import TEST_CORPUS, TEST_CORPUS_PROTOCOL  # noqa: E402
+
 
 def _replicas(g, seed=0):
     gen = torch.Generator().manual_seed(seed)
@@ -65,12 +67,14 @@ def test_8bit_codec_moves_weights_further_than_fp16():
 
 
 def test_bench_compression_tiny_json():
-    p = subprocess.run([sys.executable, "-m", "blocktrain.cli.main", "bench", "compression", "--tiny", "--json"],
+    p = subprocess.run([sys.executable, "-m", "blocktrain.cli.main", "bench", "compression", "--tiny", "--json",
+                        "--data", str(TEST_CORPUS)],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stdout.strip().splitlines()
     assert len(lines) == 1
     r = json.loads(lines[0])
+    assert r["protocol"] == TEST_CORPUS_PROTOCOL
     assert r["bench"] == "compression" and set(r["runs"]) == {"baseline", "fp32", "fp16", "8bit"}
     assert r["runs"]["baseline"]["workers"] == 2 and r["runs"]["fp32"]["workers"] == 3
     assert r["runs"]["fp32"]["replica_spread_l2"] < 1e-5            # fp32 replicas agree after the last round

@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from test_utils.configs import TEST_CORPUS, TEST_CORPUS_PROTOCOL
+
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
 
@@ -26,8 +28,8 @@ def bt_json(*args, timeout=420) -> dict:
 
 
 def test_bench_inference_tiny_json():
-    r = bt_json("bench", "inference", "--tiny", "--json")
-    assert r["bench"] == "inference"
+    r = bt_json("bench", "inference", "--tiny", "--json", "--data", str(TEST_CORPUS))
+    assert r["bench"] == "inference" and r["protocol"] == TEST_CORPUS_PROTOCOL
     assert r["hops"] == 2 and r["delay_ms"] == 25.0
     assert r["speedup"] > 1.0
     assert set(r["bytes_out"]) == {"one_sweep", "autoregressive"}
@@ -53,8 +55,8 @@ def test_bench_inference_tiny_json():
 
 
 def test_bench_swarm_tiny_json():
-    r = bt_json("bench", "swarm", "--tiny", "--json")
-    assert r["bench"] == "swarm"
+    r = bt_json("bench", "swarm", "--tiny", "--json", "--data", str(TEST_CORPUS))
+    assert r["bench"] == "swarm" and r["protocol"] == TEST_CORPUS_PROTOCOL
     runs = r["runs"]
     assert set(runs) == {"baseline", "avg-fp32"}
     base, avg = runs["baseline"], runs["avg-fp32"]
@@ -79,3 +81,17 @@ def test_bench_swarm_tiny_json():
     assert 1.0 <= ratio < 1.3, ratio
     assert avg["gb_moved"] == pytest.approx(avg["bytes_sent_total"] / 1e9)
     assert "averaged_within_0.05" in r["goals"]
+
+
+def test_bench_p2p_json_runs_its_own_server_and_leaves_nothing_behind():
+    r = bt_json("bench", "p2p", "--lookups", "3", "--hops", "3", "--large", "1", "--json", timeout=300)
+    assert r["samples"] == {"lookups": 3, "hops": 3, "large": 1}
+    assert r["rpc_small_hop_shape"] == [1, 256, 64]
+    assert r["rpc_large_hop_MiB_each_way"] == 16.0 and r["state_download_MiB"] == 16.0
+    for k in ("dht_lookup_ms_median", "rpc_rtt_ms_median", "rpc_large_hop_s_median", "rpc_large_hop_MBps_both_ways",
+              "state_download_MBps"):
+        assert r[k] > 0, (k, r[k])
+    # a streamed 16 MiB hop moves its state both ways: at least 32 MiB per call
+    assert r["rpc_large_hop_MBps_both_ways"] * r["rpc_large_hop_s_median"] >= 2 * 16 * 2**20 / 1e6
+    left = subprocess.run(["pgrep", "-f", "blocktrain.bench.p2p --serve"], capture_output=True, text=True).stdout
+    assert left.strip() == "", f"benchmark server left running: {left}"

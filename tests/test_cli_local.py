@@ -13,7 +13,7 @@ from blocktrain.blocks.data import resolve_data
 from blocktrain.blocks.budget import Budget, BudgetError
 from blocktrain.blocks.local_run import LocalRun
 
-from test_utils.configs import need_wikitext, tiny_config
+from test_utils.configs import TEST_CORPUS, TEST_CORPUS_PROTOCOL, tiny_config
 
 TINY = ["--set", "d_model=32", "--set", "n_heads=2", "--set", "layers_per_block=1", "--set", "n_blocks=2",
         "--set", "seq_len=32", "--set", "target_dim=16", "--set", "batch_size=4"]
@@ -33,13 +33,13 @@ def test_budget_parsing():
 
 
 def test_tiny_training_lowers_held_out_loss_on_real_text():
-    data = need_wikitext()
+    data = TEST_CORPUS
     torch.manual_seed(0)
     run = LocalRun(tiny_config(n_blocks=2, lr=3e-3), resolve_data(str(data)), torch.device("cpu"))
     before = run.evaluate(n_windows=16, k=2)
     run.train(Budget(steps=60))
     after = run.evaluate(n_windows=16, k=2)
-    assert before["protocol"] == "wt2-offline"
+    assert before["protocol"] == TEST_CORPUS_PROTOCOL
     assert after["reference_ce"] < before["reference_ce"] - 0.5
     assert after["block0_ce"] < before["block0_ce"] - 0.5
     assert after["chain_ce"] < before["chain_ce"] - 0.5
@@ -47,7 +47,7 @@ def test_tiny_training_lowers_held_out_loss_on_real_text():
 
 
 def test_train_local_json_contract_and_eval_of_saved_checkpoint(tmp_path):
-    data = need_wikitext()
+    data = TEST_CORPUS
     out = tmp_path / "ck"
     r = bt("train-local", "--data", str(data), "--budget", "5steps", "--out", str(out), "--json",
            "--eval-windows", "8", "--k", "2", *TINY)
@@ -56,7 +56,7 @@ def test_train_local_json_contract_and_eval_of_saved_checkpoint(tmp_path):
     for key in ("chain_ce", "chain_k", "chain_ce_k1", "block0_ce", "block_ce", "ce_kind", "protocol",
                 "tokens", "seconds", "objective", "reference_ce"):
         assert key in res, key
-    assert res["ce_kind"] == "exact" and res["protocol"] == "wt2-offline" and res["objective"] == "paper"
+    assert res["ce_kind"] == "exact" and res["protocol"] == TEST_CORPUS_PROTOCOL and res["objective"] == "paper"
     assert len(res["block_ce"]) == 2 and res["tokens"] == 5 * 4 * 32
     assert sorted(p.name for p in out.iterdir()) == ["block00.safetensors", "block01.safetensors",
                                                      "config.json", "reference.safetensors"]
@@ -75,7 +75,7 @@ def test_no_reference_trains_and_saves_only_the_blocks(tmp_path):
            "--eval-windows", "4", "--k", "1", *TINY)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
-    assert "reference_ce" not in res and "chain_ce" in res and res["protocol"] != "wt2-offline"
+    assert "reference_ce" not in res and "chain_ce" in res and res["protocol"] == "t.txt (last 5% held out)"
     assert "reference.safetensors" not in {p.name for p in out.iterdir()}
 
 
@@ -99,7 +99,7 @@ def test_bad_input_gives_one_clear_line_and_nonzero_exit(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", ["paper", "forward-chained"])
 def test_bench_quality_json_has_equal_flops_fields(objective):
-    data = need_wikitext()
+    data = TEST_CORPUS
     r = bt("bench", "quality", "--data", str(data), "--budget", "3steps", "--json", "--eval-windows", "4",
            "--k", "2", *TINY, "--objective", objective)
     assert r.returncode == 0, r.stderr

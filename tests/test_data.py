@@ -13,15 +13,7 @@ import torch
 from blocktrain.blocks.data import DataError, describe_bytes, load_source, resolve_data
 from blocktrain.blocks.windows import WindowSampler, eval_windows
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-WT2 = SHARED_DATA / "wikitext-2-raw"
-GUTENBERG = SHARED_DATA / "gutenberg"
-WT2_VALID_SHA256 = "4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7"
-
-needs_wt2 = pytest.mark.skipif(not (WT2 / "wiki.valid.raw").is_file(),
-                               reason=f"shared WikiText-2 data not found at {WT2}")
-needs_gutenberg = pytest.mark.skipif(not (GUTENBERG / "test.txt").is_file(),
-                                     reason=f"shared Gutenberg data not found at {GUTENBERG}")
+from test_utils.configs import TEST_CORPUS, TEST_CORPUS_PROTOCOL
 
 
 def _text(n: int, seed: int = 0) -> bytes:
@@ -98,30 +90,62 @@ def test_train_test_folder_and_wikitext_folder_with_train(tmp_path):
     assert split.protocol == "wikitext-raw:train/test"
 
 
-@needs_wt2
-def test_shared_wikitext_folder_is_wt2_offline():
-    split = resolve_data(str(WT2), seq_len=256)
+def _wikitext_offline_folder(tmp_path: Path) -> Path:
+    """A WikiText-2 raw folder as ../shared/data holds it: valid and test splits, no train split."""
+    wt = tmp_path / "wikitext-2-raw"
+    wt.mkdir()
+    (wt / "wiki.valid.raw").write_bytes(b" = Valkyria = \n" + _text(3000, 3))
+    (wt / "wiki.test.raw").write_bytes(b" = Robert = \n" + _text(2000, 4))
+    return wt
+
+
+def test_wikitext_folder_without_train_split_is_wt2_offline(tmp_path):
+    wt = _wikitext_offline_folder(tmp_path)
+    split = resolve_data(str(wt), seq_len=256)
     assert split.protocol == "wt2-offline"
-    assert len(split.train) == 1_146_846
-    assert hashlib.sha256(split.train.tobytes()).hexdigest() == WT2_VALID_SHA256
-    assert split.eval.tobytes() == (WT2 / "wiki.test.raw").read_bytes()
+    assert split.train.tobytes() == (wt / "wiki.valid.raw").read_bytes()
+    assert split.eval.tobytes() == (wt / "wiki.test.raw").read_bytes()
+    assert split.train_name == "wikitext-2-raw/wiki.valid.raw" and split.eval_name == "wikitext-2-raw/wiki.test.raw"
 
 
-@needs_wt2
 def test_eval_src_overrides_wikitext_test_split(tmp_path):
+    wt = _wikitext_offline_folder(tmp_path)
     ev = tmp_path / "mine.txt"
     ev.write_bytes(_text(4000))
-    split = resolve_data(str(WT2), eval_src=str(ev))
-    assert len(split.train) == 1_146_846
+    split = resolve_data(str(wt), eval_src=str(ev))
+    assert split.train.tobytes() == (wt / "wiki.valid.raw").read_bytes()
     assert split.eval.tobytes() == ev.read_bytes()
     assert split.protocol == "train=wikitext-2-raw/wiki.valid.raw, eval=mine.txt"
 
 
-@needs_gutenberg
-def test_shared_gutenberg_folder_protocol():
-    split = resolve_data(str(GUTENBERG))
-    assert split.protocol == "gutenberg-offline"
-    assert len(split.train) == 58_722_009 and len(split.eval) == 3_429_673
+def test_gutenberg_folder_protocol(tmp_path):
+    named = tmp_path / "gutenberg"      # the shared corpus's folder name
+    manifest = tmp_path / "books"       # or any folder with the corpus's MANIFEST.tsv
+    for folder in (named, manifest):
+        folder.mkdir()
+        (folder / "train.txt").write_bytes(_text(3000, 5))
+        (folder / "test.txt").write_bytes(_text(700, 6))
+    (manifest / "MANIFEST.tsv").write_text(   # the shared corpus's header line
+        "ebook\ttitle\tauthor\tbytes\tsha256\tsource_repo\tpath\tcommit\tsplit\tfile\n")
+    for folder in (named, manifest):
+        split = resolve_data(str(folder))
+        assert split.protocol == "gutenberg-offline"
+        assert (len(split.train), len(split.eval)) == (3000, 700)
+    (manifest / "MANIFEST.tsv").write_text("name\tbytes\n")   # another manifest: a plain train/test folder
+    assert resolve_data(str(manifest)).protocol == "train.txt/test.txt"
+
+
+def test_shipped_test_corpus_is_the_book_slice_its_readme_names():
+    readme = (TEST_CORPUS / "README.md").read_text()
+    split = resolve_data(str(TEST_CORPUS), seq_len=256)
+    assert split.protocol == TEST_CORPUS_PROTOCOL
+    for name, part in (("train.txt", split.train), ("test.txt", split.eval)):
+        row = next(line for line in readme.splitlines() if line.startswith(f"| {name} |"))
+        size, digest = (c.strip() for c in row.strip("|").split("|")[2:4])
+        assert len(part) == int(size.replace(",", ""))
+        assert hashlib.sha256(part.tobytes()).hexdigest() == digest
+    assert "#773" in readme and "Oscar Wilde" in readme
+    assert len(split.train) + len(split.eval) == 225_750 <= 300_000
 
 
 def test_hf_source_joins_rows_and_labels_protocol(monkeypatch):

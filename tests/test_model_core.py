@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
-from blocktrain.blocks.chain import CountingHop
+from blocktrain.blocks.chain import CountingHop, HopResult
 from blocktrain.blocks.config import ConfigError, ModelConfig
 from blocktrain.blocks.objectives import get_objective
 from blocktrain.blocks.objectives.paper.schedule import NoiseSchedule, edm_coefficients, edm_loss_weight
@@ -153,16 +154,34 @@ def test_one_sweep_calls_each_block_once_autoregressive_once_per_byte():
         obj.generate_one_sweep(hops, b"x", cfg.seq_len, generator=None)
 
 
-def test_k_sample_average_is_never_worse_than_single_samples():
+def test_chain_score_is_the_k_sample_mixture_ce_of_the_last_hops_logits():
+    """Hops with known logits: sample i of K gives the scored byte probability p[i] (row 0) or 0.9
+    (row 1). The score must be -log of the K-sample MIXTURE probability (``ce``) and the mean
+    single-sample -log p (``ce_k1``), computed here by hand."""
     cfg = tiny_config()
     obj = get_objective(cfg)
-    blocks = [obj.build_block(b) for b in range(cfg.n_blocks)]
-    for m in blocks:
-        for p in m.parameters():
-            torch.nn.init.normal_(p, std=0.1)
-    w = torch.randint(0, 256, (3, cfg.seq_len + 1), generator=torch.Generator().manual_seed(3))
-    r = obj.score(obj.local_hops(blocks), w, k=4, generator=torch.Generator().manual_seed(0))
-    assert r.ce <= r.ce_k1 + 1e-6 and r.tokens == 3 * cfg.seq_len and r.ce_kind == "exact"
+    n, t, k = 2, cfg.seq_len, 4
+    p = [[0.5, 0.1, 0.2, 0.2], [0.9, 0.9, 0.9, 0.9]]        # [row][sample]
+    w = torch.randint(0, 256, (n, t + 1), generator=torch.Generator().manual_seed(3))
+    calls = []
+
+    def last_hop(req):
+        i = len(calls)
+        calls.append(req)
+        logits = torch.zeros(n, t, 256)
+        for row in range(n):       # logit a on the scored byte, 0 elsewhere: softmax = p[row][i] there
+            a = math.log(255 * p[row][i] / (1 - p[row][i]))
+            logits[row].scatter_(-1, w[row, 1:].unsqueeze(-1), a)
+        return HopResult(req.state, logits if req.want_logits else None)
+
+    hops = [lambda req: HopResult(req.state)] * (cfg.n_blocks - 1) + [last_hop]
+    r = obj.score(hops, w, k=k, generator=torch.Generator().manual_seed(0))
+    assert len(calls) == k and all(torch.equal(c.context, w[:, :-1]) for c in calls)
+    mixture = [-math.log(sum(row) / k) for row in p]                      # per row: ln 4 and -ln 0.9
+    single = [-sum(math.log(x) for x in row) / k for row in p]
+    assert r.ce == pytest.approx(sum(mixture) / n, abs=1e-5)
+    assert r.ce_k1 == pytest.approx(sum(single) / n, abs=1e-5)
+    assert r.k == k and r.tokens == n * t and r.ce_kind == "exact"
 
 
 # -- config -----------------------------------------------------------------------------------------

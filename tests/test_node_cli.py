@@ -11,7 +11,7 @@ import pytest
 from blocktrain.node.swarm.launcher import LocalSwarm
 from blocktrain.node.swarm.run import SWARM_DEFAULTS, plan_blocks
 
-from test_utils.configs import need_wikitext
+from test_utils.configs import TEST_CORPUS, TEST_CORPUS_PROTOCOL
 
 TINY_SETS = [x for kv in SWARM_DEFAULTS + ["n_blocks=2"] for x in ("--set", kv)]
 
@@ -42,14 +42,14 @@ def test_plan_blocks_covers_every_block_then_replicates():
 def test_swarm_command_json_contract(tmp_path):
     """The whole network path (training, averaging, chain scoring through hops, generation) behind
     one command, for the default objective (the others: test_node_objectives.py)."""
-    data = need_wikitext()
+    data = TEST_CORPUS
     r = bt("swarm", "--nodes", "3", "--budget", "10s", "--data", str(data), "--set", "n_blocks=2",
            "--workdir", str(tmp_path / "sw"), "--json", timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     for key in ("chain_ce", "ce_kind", "averaging_rounds", "generated", "route", "nodes", "seconds", "protocol"):
         assert key in res, key
-    assert res["ce_kind"] == "exact" and res["protocol"] == "wt2-offline"
+    assert res["ce_kind"] == "exact" and res["protocol"] == TEST_CORPUS_PROTOCOL
     assert res["chain_ce"] < math.log(256)
     assert len(res["nodes"]) == 3 and [h["block"] for h in res["route"]] == [0, 1]
     assert len(res["generated"]) > 0
@@ -81,7 +81,7 @@ def test_unreachable_peer_gives_one_line_error():
 @pytest.mark.network
 @pytest.mark.slow
 def test_missing_run_and_config_mismatch_are_refused(tmp_path):
-    data = need_wikitext()
+    data = TEST_CORPUS
     sw = LocalSwarm(tmp_path / "one", run_id="errtest", overrides=SWARM_DEFAULTS + ["n_blocks=2"], data=str(data))
     try:
         sw.start_seed(block=0, args=["--max-steps", "5"])

@@ -17,7 +17,7 @@ from blocktrain.node.client import NetworkClient
 from blocktrain.node.swarm.launcher import LocalSwarm
 from blocktrain.node.swarm.run import SWARM_DEFAULTS
 
-from test_utils.configs import need_wikitext
+from test_utils.configs import TEST_CORPUS
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -26,7 +26,7 @@ MAX_STEPS = 400
 
 @pytest.fixture(scope="module")
 def net(tmp_path_factory):
-    data = need_wikitext()
+    data = TEST_CORPUS
     base = tmp_path_factory.mktemp("swarm")
     sw = LocalSwarm(base, run_id="nettest", overrides=SWARM_DEFAULTS, data=str(data),
                     extra_args=["--average-every", "10", "--average-period", "2", "--device", "cpu",

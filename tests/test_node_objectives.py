@@ -14,7 +14,7 @@ import pytest
 
 from blocktrain.node.swarm.launcher import LocalSwarm
 
-from test_utils.configs import need_wikitext
+from test_utils.configs import TEST_CORPUS
 from test_utils.reliability import average_until_accepted, wait_for
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
@@ -30,7 +30,7 @@ MANUAL_AVG = ["--average-every", "1000000", "--average-period", "1e9"]
                                                             ("forward-residual", "exact", 1)])
 def test_objective_trains_averages_scores_and_generates_across_processes(tmp_path, objective, ce_kind,
                                                                        per_traversal):
-    data = need_wikitext()
+    data = TEST_CORPUS
     sw = LocalSwarm(tmp_path, run_id="objnet", data=str(data), overrides=[f"objective={objective}", *SMALL],
                     extra_args=["--device", "cpu", *MANUAL_AVG])
     try:

@@ -265,7 +265,7 @@ def test_untrained_chain_bound_is_ln256_and_training_lowers_it():
             batch = w[torch.randint(0, len(w), (8,), generator=g)]
             optimizer_step(m, opt, cfg, step, lambda: obj.local_loss(m, b, batch, g))
     res = obj.score(obj.local_hops(blocks), w[:8], k=2, generator=g)
-    assert 0.0 <= res.ce <= res.ce_k1 + 1e-9
+    assert res.ce_k1 < 0.6 * LN256, res     # the chain's ELBO (K=1) of the trained blocks
     assert res.ce < 0.6 * LN256, res
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from blocktrain.p2p.addresses import AddressError, host_maddr, parse_initial_peers, parse_multiaddr, peer_id_of
+from blocktrain.p2p.addresses import AddressError, host_maddr, parse_initial_peers, parse_multiaddr
 
 PEER = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 PEER_ED = "12D3KooWFfxzovdPAYomJwKerBK1rzoyzdcJjtJJjaCvQNxz6Fo3"
@@ -54,11 +54,9 @@ def test_initial_peers_need_peer_id_and_real_port():
         parse_initial_peers(f"/ip4/1.2.3.4/tcp/1/p2p/{PEER}")  # type: ignore[arg-type]
 
 
-def test_host_maddr_and_peer_id_of():
+def test_host_maddr():
     assert host_maddr("0.0.0.0", 31337) == "/ip4/0.0.0.0/tcp/31337"
     assert host_maddr("::", 1) == "/ip6/::/tcp/1"
     assert host_maddr("node.example.org", 2) == "/dns/node.example.org/tcp/2"
     with pytest.raises(AddressError, match="port"):
         host_maddr("1.2.3.4", 70000)
-    assert peer_id_of(f"/ip4/1.2.3.4/tcp/1/p2p/{PEER}") == PEER
-    assert peer_id_of("/ip4/1.2.3.4/tcp/1") is None

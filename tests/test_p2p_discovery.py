@@ -42,10 +42,9 @@ def net(tmp_path_factory):
         b = NodeProc("B", ["--run-id", RUN], logs)
         nodes.append(b)
         b.wait_ready()
-        a = NodeProc("A", ["--run-id", RUN, "--initial-peer", b.maddrs[0]], logs)
-        c = NodeProc("C", ["--run-id", RUN, "--initial-peer", b.maddrs[0]], logs)
-        d = NodeProc("D", ["--run-id", RUN, "--initial-peer", b.maddrs[0], "--ttl", str(SHORT_TTL)], logs)
-        nodes += [a, c, d]
+        for name, extra in (("A", []), ("C", []), ("D", ["--ttl", str(SHORT_TTL)])):   # each stopped by finally
+            nodes.append(NodeProc(name, ["--run-id", RUN, "--initial-peer", b.maddrs[0], *extra], logs))
+        a, c, d = nodes[1:]
         for n in (a, c, d):
             n.wait_ready()
         a.cmd("publish_manifest", config_hash=HASH, model_config={"d_model": 64})

@@ -18,7 +18,7 @@ import pytest
 from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.node.client import NetworkClient
 
-from test_utils.configs import need_wikitext
+from test_utils.configs import TEST_CORPUS
 from test_utils.reliability import (
     MANUAL_AVG, TINY, RelSwarm, all_finite, average_together, average_until_accepted, block_state, kill9,
     report, restart, stop_swarm, wait_for,
@@ -32,7 +32,7 @@ SOAK_EVENTS = 20
 
 @pytest.fixture(scope="module")
 def churn(tmp_path_factory):
-    data = need_wikitext()
+    data = TEST_CORPUS
     base = tmp_path_factory.mktemp("relchurn")
     sw = RelSwarm(base, run_id=RUN, overrides=[*TINY, "n_blocks=1"], data=str(data),
                   extra_args=["--device", "cpu", *MANUAL_AVG])

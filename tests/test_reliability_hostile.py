@@ -23,7 +23,7 @@ from blocktrain.node.client import NetworkClient
 from blocktrain.p2p.errors import RemoteHopError
 from blocktrain.p2p.identity import NodeIdentity
 
-from test_utils.configs import need_wikitext
+from test_utils.configs import TEST_CORPUS
 from test_utils.reliability import (
     MANUAL_AVG, TINY, HostileProc, RelSwarm, all_finite, average_until_accepted,
     block_state, kill9, report, stop_swarm, wait_for,
@@ -71,7 +71,7 @@ class InsiderClient:
 
 @pytest.fixture(scope="module")
 def net(tmp_path_factory):
-    data = need_wikitext()
+    data = TEST_CORPUS
     base = tmp_path_factory.mktemp("relhostile")
     sw = RelSwarm(base, run_id=RUN, overrides=TINY, data=str(data),
                   extra_args=["--device", "cpu", *MANUAL_AVG, "--checkpoint-every", "1000000"])

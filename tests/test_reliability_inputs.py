@@ -25,7 +25,7 @@ from blocktrain.node.http.api import create_app
 from blocktrain.node.swarm.launcher import LocalSwarm
 from blocktrain.p2p.errors import HopRequestError, RecordError
 
-from test_utils.configs import need_wikitext
+from test_utils.configs import TEST_CORPUS
 from test_utils.reliability import MANUAL_AVG, TINY, report, stop_swarm
 
 pytestmark = [pytest.mark.reliability, pytest.mark.network]
@@ -39,7 +39,7 @@ COUNTS: collections.Counter = collections.Counter()   # bad inputs answered with
 
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    data = need_wikitext()
+    data = TEST_CORPUS
     base = tmp_path_factory.mktemp("relinput")
     sw = LocalSwarm(base, run_id=RUN, overrides=[*TINY, "n_blocks=1"], data=str(data),
                     extra_args=["--device", "cpu", "--max-steps", "5", *MANUAL_AVG])
@@ -472,7 +472,7 @@ def test_corrupt_files_are_named_with_the_problem(tmp_path):
     from blocktrain.blocks.config import ModelConfig
     from blocktrain.blocks.objectives import get_objective
     base = ["--set", "n_blocks=1", "--set", "d_model=32", "--set", "n_heads=2", "--set", "seq_len=32",
-            "--set", "target_dim=16", "--data", str(need_wikitext())]
+            "--set", "target_dim=16", "--data", str(TEST_CORPUS)]
     cfg = tmp_path / "run.toml"                      # a config file that is not TOML
     cfg.write_text("d_model = [unclosed\n")
     sec = tmp_path / "secret"                        # a run secret that is too short

@@ -16,7 +16,7 @@ import pytest
 from blocktrain.node.swarm.launcher import LocalSwarm
 from blocktrain.node.swarm.run import SWARM_DEFAULTS
 
-from test_utils.configs import need_wikitext
+from test_utils.configs import TEST_CORPUS
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -79,7 +79,7 @@ def _no_horizontal_overflow(page) -> tuple[int, int]:
 
 def test_dashboard_and_playground_in_a_real_browser(tmp_path):
     _need_browser()
-    data = need_wikitext()
+    data = TEST_CORPUS
     from playwright.sync_api import sync_playwright
 
     t0 = time.monotonic()

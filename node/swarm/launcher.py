@@ -1,7 +1,10 @@
 """Start and stop real node processes on 127.0.0.1 (used by ``bt-node swarm``, benchmarks, tests).
 
-Each node is a separate ``bt-node seed|join`` process in its own session (process group), so a
-stop kills its hivemind children too and nothing is left behind, even after SIGKILL.
+:class:`ManagedProcess` is the one process handle: a child in its own session (process group)
+with its output in a log file, stopped with SIGTERM and then SIGKILL of its whole group, so a stop
+takes its hivemind children (DHT, averager, p2pd) too and nothing is left behind, even after
+SIGKILL. :class:`NodeProc` runs one ``bt-node seed|join`` with it; the tests' drivers of their own
+test processes build on it too.
 """
 from __future__ import annotations
 
@@ -12,7 +15,6 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -24,43 +26,108 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@dataclass
-class NodeProc:
-    name: str
-    args: list[str]
-    workdir: Path
-    http_port: int
-    proc: subprocess.Popen | None = None
-    info: dict = field(default_factory=dict)
-    threads: int = 1
-    entry: list[str] | None = None     # the program to run instead of ``python -m blocktrain.cli.main``
+class ManagedProcess:
+    """A child process in its own session (process group), its output appended to ``log_file``.
+
+    ``start`` may be called again once the previous process has stopped (a restart). With
+    ``pipe_stdio`` the child's stdin and stdout are text pipes (``proc.stdin`` / ``proc.stdout``,
+    line-buffered) and only stderr goes to the log; otherwise stdout and stderr go to the log.
+    """
+
+    def __init__(self, name: str, log_file: Path):
+        self.name = name
+        self.log_file = Path(log_file)
+        self.proc: subprocess.Popen | None = None
+
+    def start_process(self, cmd: list[str], *, env: dict | None = None, pipe_stdio: bool = False,
+                      append: bool = True) -> subprocess.Popen:
+        """Start ``cmd`` (``env`` None = this process's environment)."""
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_file, "ab" if append else "wb") as log:   # the child keeps its own descriptor
+            if pipe_stdio:
+                self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                             text=True, bufsize=1, start_new_session=True, env=env)
+            else:
+                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                             start_new_session=True, env=env)
+        return self.proc
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, n: int = 30) -> str:
+        """The last ``n`` lines of the log."""
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to the process; SIGKILL goes to its whole process group (its children too)."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                if sig == signal.SIGKILL:
+                    os.killpg(self.proc.pid, sig)
+                else:
+                    os.kill(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait up to ``timeout`` s for the process to exit; its exit code, or None if it still runs."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def stop(self, timeout: float = 40.0) -> int | None:
+        """SIGTERM (a graceful exit) and up to ``timeout`` s to take it, then SIGKILL the whole process
+        group whatever the process did (children that outlive it go too). Returns the exit code."""
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGTERM)
+        self.wait(timeout)
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.wait(10)
+        return self.proc.returncode
+
+
+class NodeProc(ManagedProcess):
+    """One ``bt-node`` process (``args`` = ``seed ...`` or ``join ...``) in ``workdir``, serving HTTP
+    on ``http_port``; ready once it has written ``workdir/ready.json``."""
+
+    def __init__(self, name: str, args: list[str], workdir: Path, http_port: int, *, threads: int = 1,
+                 entry: list[str] | None = None):
+        super().__init__(name, Path(workdir) / "node.log")
+        self.entry = entry   # the program to run instead of ``python -m blocktrain.cli.main`` (tests wrap it)
+        self.args = list(args)
+        self.workdir = Path(workdir)
+        self.http_port = http_port
+        self.threads = threads
+        self.info: dict = {}
 
     @property
     def ready_file(self) -> Path:
         return self.workdir / "ready.json"
 
     @property
-    def log_file(self) -> Path:
-        return self.workdir / "node.log"
-
-    @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
-
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     def start(self, env: dict | None = None) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
-        log = open(self.log_file, "ab")
-        self.proc = subprocess.Popen(
-            [*(self.entry or [sys.executable, "-m", "blocktrain.cli.main"]), *self.args, "--ready-file", str(self.ready_file),
+        self.start_process(
+            [*(self.entry or [sys.executable, "-m", "blocktrain.cli.main"]), *self.args,
+             "--ready-file", str(self.ready_file),
              "--quiet", "--http-port", str(self.http_port), "--checkpoint-dir", str(self.workdir / "ckpt")],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
             env={**self.thread_env(), **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        log.close()
 
     def thread_env(self) -> dict:
         """Several nodes share this machine: one torch/OpenMP thread each (``threads``), since
@@ -80,12 +147,6 @@ class NodeProc:
             time.sleep(0.2)
         raise TimeoutError(f"node {self.name} not ready after {timeout:.0f}s:\n{self.tail()}")
 
-    def tail(self, n: int = 30) -> str:
-        try:
-            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
     def get(self, path: str, timeout: float = 30.0) -> dict:
         r = httpx.get(self.url + path, timeout=timeout)
         r.raise_for_status()
@@ -93,35 +154,6 @@ class NodeProc:
 
     def post(self, path: str, body: dict, timeout: float = 300.0) -> httpx.Response:
         return httpx.post(self.url + path, json=body, timeout=timeout)
-
-    def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            try:
-                if sig == signal.SIGKILL:
-                    os.killpg(self.proc.pid, sig)   # the node and all its hivemind children
-                else:
-                    os.kill(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def stop(self, timeout: float = 40.0) -> int | None:
-        """SIGTERM (graceful leave), then SIGKILL the whole process group if it lingers."""
-        if self.proc is None:
-            return None
-        self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)   # children (DHT, averager, p2pd) too
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        return self.proc.returncode
 
 
 class LocalSwarm:

@@ -1,15 +1,15 @@
-"""Shared test helpers: tiny configs and the location of ../shared data."""
+"""Shared test helpers: tiny configs and the text corpus every test that needs real text reads."""
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from blocktrain.blocks.config import ModelConfig
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED_DATA = REPO.parent / "shared" / "data"
-WIKITEXT = SHARED_DATA / "wikitext-2-raw"
+#: one public-domain book shipped with the tests (tests/data/lord-arthur-savile/README.md): a
+#: train.txt/test.txt folder, so no test depends on data outside the repository
+TEST_CORPUS = Path(__file__).resolve().parents[1] / "data" / "lord-arthur-savile"
+#: the protocol label resolve_data gives TEST_CORPUS
+TEST_CORPUS_PROTOCOL = "train.txt/test.txt"
 
 
 def tiny_config(**kw) -> ModelConfig:
@@ -17,9 +17,3 @@ def tiny_config(**kw) -> ModelConfig:
                 batch_size=4, warmup_steps=0)
     base.update(kw)
     return ModelConfig(**base)
-
-
-def need_wikitext() -> Path:
-    if not (WIKITEXT / "wiki.valid.raw").exists():
-        pytest.skip(f"shared WikiText data not found at {WIKITEXT} (tests read it from ../shared/data)")
-    return WIKITEXT

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from typing import Any, Callable
 import torch
 
 from blocktrain.node.swarm.launcher import LocalSwarm, NodeProc, free_port
+
+from test_utils.wire_procs import JsonLinesProc
 
 HERE = Path(__file__).resolve().parent
 # small enough that several node processes start and train on a loaded 2-core machine
@@ -168,8 +169,10 @@ def stop_swarm(sw: LocalSwarm, grace: float = 15.0) -> None:
     assert not left, "processes survived the swarm's teardown:\n" + "\n".join(left)
 
 
-class HostileProc:
+class HostileProc(JsonLinesProc):
     """Drives tests/test_utils/hostile_averager.py (a separate process in its own process group)."""
+
+    what = "hostile averager"
 
     def __init__(self, initial_peers: list[str], run_id: str, log_path: Path, *, block: int = 0,
                  identities: int = 1, secret_file: Path | None = None, secret_identities: tuple = (),
@@ -179,50 +182,17 @@ class HostileProc:
                 "--weight", str(weight)]
         if secret_file is not None:
             args += ["--secret-file", str(secret_file), "--secret-identities", *map(str, secret_identities)]
-        self._log = open(log_path, "w")
-        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-                                     text=True, bufsize=1, start_new_session=True,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        self._lines: queue.Queue = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-        self.info: dict = {}
-        self.log_path = log_path
-
-    def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def _next(self, timeout: float) -> dict:
-        try:
-            line = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            raise TimeoutError(f"hostile averager silent for {timeout}s; log: {self.tail()}") from None
-        if line is None:
-            raise RuntimeError(f"hostile averager exited (rc={self.proc.poll()}); log: {self.tail()}")
-        return json.loads(line)
-
-    def tail(self, n: int = 1500) -> str:
-        self._log.flush()
-        try:
-            return self.log_path.read_text()[-n:]
-        except OSError:
-            return ""
+        super().__init__("hostile", args, log_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait_ready(self, timeout: float = 120) -> dict:
-        ev = self._next(timeout)
+        ev = self._ready(timeout)
         if ev.get("event") != "ready":
             raise RuntimeError(f"hostile averager failed to start: {ev}")
-        self.info = ev
         return ev
 
     @property
     def peers(self) -> list[str]:
         return self.info["peers"]
-
-    def send(self, cmd: str, **kw) -> None:
-        self.proc.stdin.write(json.dumps({"cmd": cmd, **kw}) + "\n")
-        self.proc.stdin.flush()
 
     def result(self, timeout: float) -> dict:
         r = self._next(timeout)
@@ -230,16 +200,6 @@ class HostileProc:
             raise RuntimeError(f"hostile averager command failed: {r}")
         return r["result"]
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 0.3) -> int | None:
         """Kill the hostile process group (it, its DHT and averager processes, their p2pd)."""
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            time.sleep(0.3)
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        self._log.close()
+        return super().stop(timeout)

@@ -1,4 +1,4 @@
-"""A controllable wire-layer node for tests, benchmarks and manual debugging (tests only).
+"""A controllable wire-layer node for the p2p tests and manual debugging (tests only).
 
     python tests/test_utils/wire_node.py [--identity PATH] [--initial-peer MADDR ...] --run-id R [--serve-rpc ...]
 

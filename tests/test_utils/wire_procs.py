@@ -1,7 +1,9 @@
 """Helpers for the p2p tests: real node processes on 127.0.0.1 that are always cleaned up, and a rogue writer.
 
 ``NodeProc`` runs ``python tests/test_utils/wire_node.py`` in its own session (process group), so
-teardown can kill the node together with its DHT process and p2pd daemons.
+teardown can kill the node together with its DHT process and p2pd daemons. It and the hostile
+averager's driver (reliability.py) are :class:`JsonLinesProc`, which starts and stops its process
+with the launcher's :class:`ManagedProcess`.
 
 Run as a script (``python tests/test_utils/wire_procs.py rogue ...``) this file is a *hostile* DHT peer: it
 signs with its own key but writes (1) under a victim's subkey, (2) schema-violating values and (3)
@@ -12,14 +14,13 @@ from __future__ import annotations
 import json
 import os
 import queue
-import signal
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from blocktrain.node.swarm.launcher import ManagedProcess
 
 WIRE_NODE = str(Path(__file__).with_name("wire_node.py"))
 
@@ -31,17 +32,17 @@ class NodeCommandError(Exception):
         self.message = message
 
 
-class NodeProc:
-    """A test node process speaking JSON lines on stdin/stdout."""
+class JsonLinesProc(ManagedProcess):
+    """A test process speaking JSON lines: commands on its stdin, one JSON line per answer (the
+    first one ``{"event": "ready", ...}``) on its stdout, its stderr in ``log_dir/<name>.log``.
+    Started in its own session by :class:`ManagedProcess`, so :meth:`kill` takes its children
+    (DHT, p2pd) too."""
 
-    def __init__(self, name: str, args: Sequence[str], log_dir: Path, script: str = WIRE_NODE):
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            [sys.executable, script, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log, text=True, bufsize=1, start_new_session=True,
-        )
+    what = "node"   # how errors name the process
+
+    def __init__(self, name: str, cmd: Sequence[str], log_path: Path, *, env: dict | None = None):
+        super().__init__(name, log_path)
+        self.start_process(list(cmd), env=env, pipe_stdio=True, append=False)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         self.info: dict[str, Any] = {}
@@ -56,23 +57,47 @@ class NodeProc:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise TimeoutError(f"node {self.name} gave no answer within {timeout}s; log: {self.log_tail()}") from None
+            raise TimeoutError(f"{self.what} {self.name} gave no answer within {timeout}s; log: {self.tail()}") from None
         if line is None:
-            raise RuntimeError(f"node {self.name} exited (rc={self.proc.poll()}); log: {self.log_tail()}")
+            raise RuntimeError(f"{self.what} {self.name} exited (rc={self.proc.poll()}); log: {self.tail()}")
         return json.loads(line)
 
-    def log_tail(self, n: int = 1500) -> str:
-        self._log.flush()
+    def _ready(self, timeout: float) -> dict[str, Any]:
+        """The first line, which must be ``{"event": "ready", ...}``; kept in ``info``."""
+        ev = self._next(timeout)
+        if ev.get("event") == "ready":
+            self.info = ev
+        return ev
+
+    def send(self, cmd: str, **kwargs: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"cmd": cmd, **kwargs}) + "\n")
+        self.proc.stdin.flush()
+
+    def request_quit(self) -> None:
         try:
-            return self.log_path.read_text()[-n:]
-        except OSError:
-            return "<no log>"
+            if self.alive:
+                self.send("quit")
+        except (BrokenPipeError, OSError):
+            pass
+
+    def kill(self, grace: float = 8.0) -> None:
+        """Wait up to ``grace`` s for a clean exit (after :meth:`request_quit`), then SIGTERM and
+        SIGKILL of the whole process group."""
+        self.wait(grace)
+        self.stop(timeout=0.3)
+
+
+class NodeProc(JsonLinesProc):
+    """A wire test node (tests/test_utils/wire_node.py) in its own session."""
+
+    def __init__(self, name: str, args: Sequence[str], log_dir: Path, script: str = WIRE_NODE):
+        super().__init__(name, [sys.executable, script, *args], log_dir / f"{name}.log")
 
     def wait_ready(self, timeout: float = 90) -> dict[str, Any]:
-        ev = self._next(timeout)
+        ev = self._ready(timeout)
         if ev.get("event") != "ready":
             raise NodeCommandError(ev.get("error", "NotReady"), ev.get("message", str(ev)))
-        self.info = ev
         return ev
 
     @property
@@ -84,39 +109,11 @@ class NodeProc:
         return self.info["maddrs"]
 
     def cmd(self, cmd: str, timeout: float = 30, **kwargs: Any) -> Any:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"cmd": cmd, **kwargs}) + "\n")
-        self.proc.stdin.flush()
+        self.send(cmd, **kwargs)
         reply = self._next(timeout)
         if not reply.get("ok"):
             raise NodeCommandError(reply.get("error", "?"), reply.get("message", ""))
         return reply["result"]
-
-    def request_quit(self) -> None:
-        try:
-            if self.proc.poll() is None and self.proc.stdin is not None:
-                self.proc.stdin.write('{"cmd": "quit"}\n')
-                self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            pass
-
-    def kill(self, grace: float = 8.0) -> None:
-        """Wait up to ``grace`` s for a clean exit, then kill the whole process group."""
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            time.sleep(0.3 if sig == signal.SIGTERM else 0)
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
-        self._log.close()
 
 
 def stop_all(nodes: Iterable[NodeProc]) -> None:
