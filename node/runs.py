@@ -47,7 +47,7 @@ def served_runs(initial_peers: list[str], ask: AskPeer) -> list[dict]:
                 if r not in out:
                     out.append(r)
         except Exception as e:   # a plain DHT node, or one that left: the DHT rule applies then
-            log.info("initial peer %s did not say which run it serves: %s", peer, e)
+            log.warning("initial peer %s did not say which run it serves: %s", peer, e)
     return out
 
 
@@ -77,6 +77,7 @@ def resolve_run(discovery, address: RunAddress, initial_peers: list[str],
     if cfg.config_hash != m.config_hash:
         raise ConfigMismatchError(f"run {run_id!r}: manifest config hashes to {cfg.config_hash}, "
                                   f"but announces {m.config_hash}")
+    discovery.trust(m)
     return m, cfg
 
 

@@ -14,7 +14,7 @@ from multiaddr.exceptions import Error as MultiaddrLibError
 
 from blocktrain.p2p.errors import AddressError
 
-__all__ = ["AddressError", "parse_multiaddr", "parse_initial_peers", "host_maddr"]
+__all__ = ["AddressError", "parse_multiaddr", "parse_initial_peers", "host_maddr", "peer_id_of"]
 
 HOST_PROTOCOLS = ("ip4", "ip6", "dns", "dns4", "dns6")
 _EXAMPLE = "/ip4/1.2.3.4/tcp/31337/p2p/<peer id>"
@@ -79,3 +79,10 @@ def host_maddr(host: str, port: int) -> str:
     except ValueError:
         proto = "dns"
     return parse_multiaddr(f"/{proto}/{host}/tcp/{port}")
+
+
+def peer_id_of(maddr: str) -> str | None:
+    """The peer id carried by a multiaddr, or None if it has none."""
+    m = Multiaddr(parse_multiaddr(maddr))
+    names = [p.name for p in m.protocols()]
+    return m.value_for_protocol("p2p") if "p2p" in names else None

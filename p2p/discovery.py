@@ -74,6 +74,7 @@ class Discovery:
         self.public_key: str = record_key.get_public_key().to_bytes().decode()
         self._followed: set[str] = set()
         self._run_hash: dict[str, str] = {}
+        self._seeder: dict[str, str] = {}          # run -> the seeder whose manifest this node trusts
         self._last_exp: dict[tuple[str, int], float] = {}  # highest expiration ever sent per (run, block)
         self._active: set[tuple[str, int]] = set()  # slots announced and not withdrawn
         self._loop = LoopThread(name=f"bt-discovery-{self.peer_id[-6:]}")
@@ -209,7 +210,7 @@ class Discovery:
         )
         if not ok:
             raise DiscoveryError(f"storing the manifest of run {manifest.run_id!r} was refused by every DHT node")
-        self._run_hash[manifest.run_id] = manifest.config_hash
+        self.trust(manifest)
 
     def publish_manifest(self, manifest: RunManifest, *, ttl: float = MANIFEST_TTL) -> None:
         """Publish the run manifest signed by this node's key (the node becomes the run's seeder)."""
@@ -224,7 +225,14 @@ class Discovery:
     def claimants(self, run_id: str) -> list[RunManifest]:
         return self._sync(self.aclaimants(run_id), "claimants")
 
+    def trust(self, manifest: RunManifest) -> None:
+        """From now on, read ``manifest``'s run through its seeder: its config hash decides which
+        announcements count, and later manifest reads are pinned to that seeder."""
+        self._run_hash[manifest.run_id] = manifest.config_hash
+        self._seeder[manifest.run_id] = manifest.seeder
+
     async def aget_manifest(self, run_id: str, *, seeder: str | None = None) -> RunManifest | None:
+        seeder = seeder or self._seeder.get(run_id)
         manifests = await self.aclaimants(run_id)
         if seeder is not None:
             manifests = [m for m in manifests if m.seeder == seeder]

@@ -4,8 +4,9 @@ Any node answers a generation request (so does a client without a block): the ro
 objective one *hop* callable per block. A hop asks the block's holders in the order of this
 node's own measurements (``ranking.py``), never in the order of what they claim. It asks one
 holder; if no answer came within a hedge delay (a few times the holder's measured latency, or
-``stranger_hedge_s`` for a holder never measured) it also asks the next one, up to
-``max_parallel`` at once, and takes the first valid answer (Dean and Barroso's hedged requests).
+``stranger_hedge_s`` for a holder never measured) it also asks the next one, and takes the first
+valid answer (Dean and Barroso's hedged requests). At most ``max_parallel`` requests younger
+than their hedge delay run at once, and ``max_inflight`` in all (stalled ones included).
 A holder that errs, or answers a malformed or non-finite state, is recorded as failed and banned
 for a while (``bans.py``) and the next one is asked at once; a stranger that lost a race is
 recorded as slow. So 50 announced holders that fail or stall cost the first request some
@@ -51,12 +52,14 @@ class RouteLog:
 class Router:
     def __init__(self, discovery, client, run_id: str, n_blocks: int, *,
                  local_hops: dict[int, Hop] | None = None, self_peer: str = "",
-                 hop_timeout: float = 20.0, max_parallel: int = 4, stranger_hedge_s: float = 0.5,
+                 hop_timeout: float = 20.0, max_parallel: int = 4, max_inflight: int = 16,
+                 stranger_hedge_s: float = 0.5,
                  holders_ttl: float = 3.0, bans: PeerBans | None = None, ranking: HolderRanking | None = None):
         self.discovery, self.client, self.run_id, self.n_blocks = discovery, client, run_id, n_blocks
         self.local_hops = dict(local_hops or {})
         self.self_peer = self_peer
-        self.hop_timeout, self.max_parallel, self.stranger_hedge_s = hop_timeout, max_parallel, stranger_hedge_s
+        self.hop_timeout, self.stranger_hedge_s = hop_timeout, stranger_hedge_s
+        self.max_parallel, self.max_inflight = max_parallel, max_inflight
         self.bans = bans or PeerBans()
         self.ranking = ranking or HolderRanking()
         self.holders_ttl = holders_ttl
@@ -122,14 +125,19 @@ class Router:
                     queue = fresh
                 if not queue and not inflight:
                     break
-                if queue and len(inflight) < self.max_parallel and (not inflight or now >= next_launch):
+                # a request is young until its hedge delay has passed; only young ones hold back the next
+                young = [t0 + self.hedge_delay(p) for p, t0 in inflight.values() if now < t0 + self.hedge_delay(p)]
+                if queue and len(inflight) < self.max_inflight and len(young) < self.max_parallel and (
+                        not young or now >= next_launch):
                     peer = queue.pop(0)
                     tried.add(peer)
                     inflight[start_remote(self.client, peer, b, req, deadline - now)] = (peer, now)
                     next_launch = now + self.hedge_delay(peer)
                     continue
-                wait = deadline - now if not queue or len(inflight) >= self.max_parallel else next_launch - now
-                done, _ = concurrent.futures.wait(list(inflight), timeout=max(0.0, wait),
+                wake = [deadline]
+                if queue and len(inflight) < self.max_inflight:
+                    wake += [next_launch, *young]
+                done, _ = concurrent.futures.wait(list(inflight), timeout=max(0.0, min(wake) - now),
                                                   return_when=concurrent.futures.FIRST_COMPLETED)
                 for fut in done:
                     peer, t0 = inflight.pop(fut)

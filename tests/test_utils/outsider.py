@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from functools import partial
+from typing import AsyncIterator  # hivemind reads the handlers' type hints
 
 from hivemind.dht import DHT
 from hivemind.dht.crypto import RSASignatureValidator
@@ -52,9 +53,6 @@ class ManyKeysSigner(RecordValidatorBase):
     def __init__(self, keys: list[RSAPrivateKey]):
         self.by_marker = {owner(k): RSASignatureValidator(k) for k in keys}
 
-    def add(self, key: RSAPrivateKey) -> None:
-        self.by_marker[owner(key)] = RSASignatureValidator(key)
-
     def sign_value(self, record: DHTRecord) -> bytes:
         for marker, v in self.by_marker.items():
             if marker in record.key or marker in record.subkey:
@@ -82,9 +80,14 @@ class BlockService(ServicerBase):
         await asyncio.sleep(3600)
         return runtime_pb2.ExpertResponse()
 
-    async def rpc_forward_stream(self, requests, context: P2PContext):
+    async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                                 ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         await asyncio.sleep(3600)
         yield runtime_pb2.ExpertResponse()
+
+
+async def _add_signer(_dht, node, signer: ManyKeysSigner) -> None:   # runs in the DHT's process
+    node.protocol.record_validator.extend([signer])
 
 
 async def _serve_stalling(_dht, node, namespace: str) -> None:   # runs in the staller's DHT process
@@ -136,8 +139,8 @@ class Outsider:
 
     def sybils(self, run_id: str, block: int, config_hash: str, n: int, stall: int = 0) -> dict:
         keys = [RSAPrivateKey() for _ in range(n)]
-        for k in keys:
-            self.signer.add(k)
+        # the DHT runs in its own process: hand it a signer holding the new keys
+        self.dht.run_coroutine(partial(_add_signer, signer=ManyKeysSigner(keys)))
         stall_addrs = {}
         for k in keys[:stall]:   # a real daemon under that identity, whose hop handler never answers
             path = f"/tmp/outsider-{peer_id_of(k)[-12:]}.key"
@@ -158,21 +161,29 @@ class Outsider:
                 "addresses": stall_addrs.get(pid, [f"/ip4/127.0.0.1/tcp/1/p2p/{pid}"]),
                 "software_version": "blocktrain/0.1.0", "config_hash": config_hash, "run_id": run_id}))
 
-        def announce_forever():
+        first_round = {}
+        done = threading.Event()
+
+        def announce_forever():   # the only thread that uses the DHT from here on (its pipe is not thread-safe)
             while not self._stop.is_set():
+                stored = 0
                 for k, value in records:
                     value["last_round_time"] = time.time()
-                    self.dht.store(f"{run_id}_blocks", value, get_dht_time() + 30,
-                                   subkey=str(block).encode() + owner(k))
+                    stored += bool(self.dht.store(f"{run_id}_blocks", value, get_dht_time() + 30,
+                                                  subkey=str(block).encode() + owner(k)))
+                first_round.setdefault("stored", stored)
+                done.set()
                 self._stop.wait(10)
-        stored = sum(bool(self.dht.store(f"{run_id}_blocks", v, get_dht_time() + 30,
-                                         subkey=str(block).encode() + owner(k))) for k, v in records)
         self._refresh = threading.Thread(target=announce_forever, daemon=True)
         self._refresh.start()
-        return {"stored": stored, "peer_ids": [v["peer_id"] for _, v in records], "stalling": list(stall_addrs)}
+        done.wait(300)
+        return {"stored": first_round.get("stored", 0), "peer_ids": [v["peer_id"] for _, v in records],
+                "stalling": list(stall_addrs)}
 
     def close(self) -> None:
         self._stop.set()
+        if self._refresh is not None:
+            self._refresh.join(30)
         for d in [*self.stallers, self.dht]:
             try:
                 d.shutdown()
