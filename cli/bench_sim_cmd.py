@@ -13,13 +13,14 @@ def simulate_table(res: dict) -> Table:
     first = next(iter(res["scenarios"].values()))["settings"]
     t = Table(title=f"bench simulate: {first['members']} members, {first['blocks']} blocks, "
                     f"{first['days']:g} simulated days after {first['warmup_h']:g} h warm-up, {res['seeds']} seed(s)")
-    for col in ("churn", "policy", "coverage %", f">= {100 * res['coverage_bar']:g}%", "emptied (mean s)",
+    for col in ("churn", "policy", "coverage % (seeds' range)", f">= {100 * res['coverage_bar']:g}%", "emptied (mean s)",
                 "online", "holders mean/min/p5", "avg. part.", "gen. ok %", "moves/member/day"):
         t.add_column(col, justify="left" if col in ("churn", "policy") else "right")
     for name, sc in res["scenarios"].items():
         for p, r in sc["runs"].items():
-            cov = " ".join(f"{100 * c:.3f}" for c in r["coverage_by_seed"]) if len(r["coverage_by_seed"]) > 1 else ""
-            t.add_row(name, p, f"{100 * r['coverage']:.3f}" + (f" ({cov})" if cov else ""),
+            by = r["coverage_by_seed"]
+            cov = f" ({100 * min(by):.3f}-{100 * max(by):.3f})" if len(by) > 1 else ""
+            t.add_row(name, p, f"{100 * r['coverage']:.3f}{cov}",
                       "met" if sc["bar_met"][p] else "MISSED",
                       f"{r['empty_episodes']} ({_f(r['empty_episode_mean_s'], '.0f')})", _f(r["online_mean"], ".0f"),
                       f"{r['holders_mean']:.2f} / {r['holders_min']} / {r['holders_p5']:g}",

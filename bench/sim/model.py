@@ -13,10 +13,10 @@ HOUR, DAY = 3600.0, 86400.0
 # Two churn settings, both assumed (no measured volunteer traces yet):
 #   volunteer: sessions log-normal with median 2 h and sigma 1.2 (mean 4.1 h, 5% of sessions
 #              over 14 h, 10% under 25 min); an offline member comes back once a day on average.
-#   harsh:     median 20 min, sigma 1.5 (mean 1 h, 10% of sessions under 3 min); back every 12 h.
+#   harsh:     median 20 min, sigma 1.5 (mean 1 h, 10% of sessions under 3 min); back every 8 h.
 CHURN_PRESETS: dict[str, dict] = {
     "volunteer": dict(session_dist="lognormal", session_median_h=2.0, session_sigma=1.2, join_rate_per_day=1.0),
-    "harsh": dict(session_dist="lognormal", session_median_h=1 / 3, session_sigma=1.5, join_rate_per_day=2.0),
+    "harsh": dict(session_dist="lognormal", session_median_h=1 / 3, session_sigma=1.5, join_rate_per_day=3.0),
 }
 
 ASSUMED = {
