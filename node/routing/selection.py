@@ -1,19 +1,174 @@
-"""Server-side block selection: which block a joining node holds.
+"""Server-side block selection: which block a node takes when it joins, and when it should move.
 
-Apart from client routing (``router.py``), as in Petals (``server/block_selection.py``): a node
-that joins without ``--block`` takes the block with the fewest live holders; ties go to the block
-whose holders report the least total throughput, then to the lowest index.
+Apart from client routing (``router.py``), as in Petals (``server/block_selection.py``).
+
+**Joining** (:func:`choose_block`): a node that joins without ``--block`` takes the block with the
+fewest live holders; ties go to the block whose holders report the least total throughput, then
+to the lowest index.
+
+**Rebalancing** (:func:`choose_rebalance`), evaluated by a serving node once per announcement
+period (TTL/3). Let ``n[b]`` be the live holders of block b as announced (see :func:`block_load`;
+this node counted in its own block) and ``t`` the block :func:`choose_block` would pick (the
+neediest).
+The node moves from its block ``m`` to ``t`` only if all of these hold:
+
+1. it has held ``m`` for at least ``min_dwell_s`` (a node that just arrived or moved stays put);
+2. ``n[m] - n[t] >= min_surplus`` (default 2: a move then strictly lowers the spread, so the
+   move cannot be undone by the same rule: with a surplus of 1 two nodes would swap forever);
+3. ``n[m] - 1 >= min_keep`` (default 2: the block it leaves keeps at least two holders, so the
+   rule never leaves a block without a holder, and never leaves one with only one);
+4. ``draw < p`` where ``draw`` is the caller's uniform random number in [0, 1) and
+   ``p = min(1, eagerness * deficit / donors)``: ``deficit = max(1, floor(mean n) - n[t])`` is
+   how many holders ``t`` lacks, ``donors`` the holders of every block that passes 2 and 3
+   against ``t``. Every donor checks once per period, so one period moves ``eagerness * deficit``
+   nodes in expectation (default half the deficit), not every surplus holder at once (Petals
+   staggers its servers' checks for the same reason).
+
+Nodes that check one after another, each seeing the moves announced before it, converge without
+any node moving back to a block it left (``tests/test_selection.py``). Nodes deciding on one stale
+snapshot can overshoot (the draws are independent); then a few extra moves follow, and rarely a
+node returns to a block it left; the default eagerness of 0.5 keeps that rare.
+
+The policy is a pure function of its inputs (the caller supplies the random draw), so a node and
+the simulator (``bench/sim``) run the same code. Moving is *make before break*, the node's job:
+announce the new block as ``joining`` and download it while still serving the old one, then
+withdraw the old announcement. Meanwhile :func:`block_load` counts the mover in the block it is
+joining and not in the one it is leaving: the others neither rush to fill the same hole nor leave
+the old block believing the mover will stay (with a consistent view, rule 3 then holds for the
+block as it will be once every move in flight has finished).
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
-from blocktrain.p2p.records import BlockAnnouncement
+__all__ = [
+    "HolderRecord", "Holder", "RebalancePolicy", "block_load", "least_held", "choose_block",
+    "rebalance_target", "choose_rebalance",
+]
 
 
-def choose_block(holders: Mapping[int, Sequence[BlockAnnouncement]], n_blocks: int) -> int:
+class HolderRecord(Protocol):
+    """What selection reads of one announcement (``p2p.records.BlockAnnouncement`` has all of it)."""
+
+    @property
+    def block_index(self) -> int: ...
+    @property
+    def peer_id(self) -> str: ...
+    @property
+    def state(self) -> str: ...          # "joining" | "online" | "leaving"
+    @property
+    def is_live(self) -> bool: ...       # joining or online
+    @property
+    def throughput(self) -> float: ...
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A light :class:`HolderRecord`, for the simulator and tests."""
+
+    block_index: int
+    peer_id: str
+    state: str = "online"
+    throughput: float = 0.0
+
+    @property
+    def is_live(self) -> bool:
+        return self.state in ("joining", "online")
+
+
+@dataclass(frozen=True)
+class RebalancePolicy:
+    """The rebalancing rule's knobs (see the module docstring)."""
+
+    min_surplus: int = 2        # my block must have this many more live holders than the neediest one
+    min_keep: int = 2           # holders my block keeps after I leave
+    min_dwell_s: float = 600.0  # seconds I hold a block before I may leave it
+    eagerness: float = 0.5      # expected fraction of the neediest block's deficit filled per period
+
+    def __post_init__(self) -> None:
+        if self.min_surplus < 2:
+            raise ValueError(f"min_surplus must be >= 2 (1 lets two nodes swap forever), got {self.min_surplus}")
+        if self.min_keep < 1:
+            raise ValueError(f"min_keep must be >= 1 (0 would let a node empty its block), got {self.min_keep}")
+        if not self.min_dwell_s >= 0:
+            raise ValueError(f"min_dwell_s must be >= 0, got {self.min_dwell_s}")
+        if not 0 < self.eagerness <= 1:
+            raise ValueError(f"eagerness must be in (0, 1], got {self.eagerness}")
+
+
+def block_load(holders: Mapping[int, Sequence[HolderRecord]], n_blocks: int) -> tuple[list[int], list[float]]:
+    """Live holders and their total throughput per block 0..n_blocks-1 (other blocks are ignored).
+
+    A peer with live announcements for several blocks, one of them ``joining``, is moving (or came
+    back on another block while its old record lives out its TTL): it counts only where it is
+    joining.
+    """
+    live: dict[str, list[tuple[int, HolderRecord]]] = {}
+    for b, anns in holders.items():
+        if 0 <= b < n_blocks:
+            for a in anns:
+                if a.is_live:
+                    live.setdefault(a.peer_id, []).append((b, a))
+    counts, tputs = [0] * n_blocks, [0.0] * n_blocks
+    for recs in live.values():
+        if len(recs) > 1 and any(a.state == "joining" for _, a in recs):
+            recs = [(b, a) for b, a in recs if a.state == "joining"]
+        for b, a in recs:
+            counts[b] += 1
+            tputs[b] += a.throughput
+    return counts, tputs
+
+
+def least_held(counts: Sequence[int], throughputs: Sequence[float]) -> int:
     """The block with the fewest live holders; ties broken by least total throughput, then index."""
-    def key(b: int):
-        live = [a for a in holders.get(b, []) if a.is_live]
-        return (len(live), sum(a.throughput for a in live), b)
-    return min(range(n_blocks), key=key)
+    return min(range(len(counts)), key=lambda b: (counts[b], throughputs[b], b))
+
+
+def choose_block(holders: Mapping[int, Sequence[HolderRecord]], n_blocks: int) -> int:
+    """The block a joining node takes: the fewest live holders; ties by least total throughput, then index."""
+    return least_held(*block_load(holders, n_blocks))
+
+
+def rebalance_target(counts: Sequence[int], throughputs: Sequence[float], my_block: int, *,
+                     held_for_s: float, draw: float, policy: RebalancePolicy = RebalancePolicy()) -> int | None:
+    """The rebalancing rule on per-block live counts (``counts[my_block]`` includes this node).
+
+    Returns the block to move to, or None to stay. Pure: the same inputs give the same answer.
+    """
+    n = len(counts)
+    if not 0 <= my_block < n:
+        raise ValueError(f"my_block {my_block} is out of range for {n} blocks")
+    if held_for_s < policy.min_dwell_s:
+        return None
+    t = least_held(counts, throughputs)
+    if t == my_block:
+        return None
+
+    def donor(c: int) -> bool:
+        return c != t and counts[c] - counts[t] >= policy.min_surplus and counts[c] - 1 >= policy.min_keep
+
+    if not donor(my_block):
+        return None
+    donors = sum(counts[c] for c in range(n) if donor(c))
+    deficit = max(1, math.floor(sum(counts) / n) - counts[t])
+    return t if draw < min(1.0, policy.eagerness * deficit / donors) else None
+
+
+def choose_rebalance(holders: Mapping[int, Sequence[HolderRecord]], n_blocks: int, my_block: int,
+                     my_peer_id: str, *, held_for_s: float, draw: float,
+                     policy: RebalancePolicy = RebalancePolicy()) -> int | None:
+    """Should this node (``my_peer_id``, holding ``my_block`` for ``held_for_s`` seconds) move, and where?
+
+    ``holders``: block -> announcements, as ``Discovery.list_holders`` returns them (possibly stale:
+    records of nodes that left stay until their TTL expires). ``draw``: a uniform random number in
+    [0, 1) from the caller's own generator, fresh at every check (once per announcement period).
+    Returns the block to move to, or None to stay. If this node's own live announcement is not in
+    the view yet, it is counted anyway.
+    """
+    counts, tputs = block_load(holders, n_blocks)
+    if not any(a.peer_id == my_peer_id and a.is_live for a in holders.get(my_block, [])):
+        counts[my_block] += 1
+    return rebalance_target(counts, tputs, my_block, held_for_s=held_for_s, draw=draw, policy=policy)

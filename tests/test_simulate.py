@@ -1,0 +1,130 @@
+"""bench/sim: the churn simulator, on small fast cases (tens of members, hours not days)."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from click.testing import CliRunner
+
+from blocktrain.bench.sim import SimSettings, run_simulation, simulate
+from blocktrain.bench.sim.engine import Simulation
+from blocktrain.cli.main import cli
+from blocktrain.node.routing.selection import RebalancePolicy
+
+# 48 members who never leave, 8 blocks, 3 measured hours after a 1 h warm-up
+STILL = SimSettings(members=48, blocks=8, days=3 / 24, warmup_h=1.0, session_dist="none")
+# the same members with churn: 20 min median sessions, back every 2 h
+CHURNY = replace(STILL, session_dist="lognormal", session_median_h=1 / 3, session_sigma=1.2,
+                 join_rate_per_day=12.0, days=6 / 24)
+
+
+def figures(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k != "wall_s"}
+
+
+def test_no_churn_every_block_stays_covered():
+    for rebalance in (False, True):
+        r = simulate(replace(STILL, rebalance=rebalance))
+        assert r["coverage"] == 1.0 and r["empty_episodes"] == 0
+        assert r["holders_min"] == 6 and r["holders_mean"] == 6.0       # 48 joiners spread evenly by choose_block
+        assert r["online_mean"] == 48
+        assert r["generation_success"] == 1.0
+        assert r["averaging_participation"] == 1.0                    # nobody leaves mid-round
+        assert r["moves"] == 0                                        # nothing to rebalance
+
+
+def test_killing_every_holder_of_a_block_drops_coverage():
+    killed = replace(STILL, kill=(1.5, 3))                            # 30 min into the measured window
+    r = simulate(killed)
+    assert r["coverage"] < 1.0 and r["empty_episodes"] == 1
+    assert r["generation_fail_no_holder"] > 0
+    assert r["online_mean"] < 48
+    # the killed holders come back (12x a day) and take the empty block again, or rebalancing refills it
+    fast_back = simulate(replace(killed, join_rate_per_day=48.0))
+    assert fast_back["coverage"] > r["coverage"]
+    refill = simulate(replace(killed, rebalance=True, policy=RebalancePolicy(min_dwell_s=60.0)))
+    assert refill["coverage"] > r["coverage"] and refill["moves"] >= 2
+
+
+def test_rebalancing_raises_the_fewest_holders_from_a_skewed_start():
+    layout = tuple(0 if i < 30 else 1 for i in range(48))              # everybody on 2 of 8 blocks
+    skewed = replace(STILL, initial_layout=layout, policy=RebalancePolicy(min_dwell_s=60.0))
+    alone = simulate(skewed)
+    moved = simulate(replace(skewed, rebalance=True))
+    assert alone["holders_min"] == 0 and alone["coverage"] == 0.0 and alone["moves"] == 0
+    assert moved["holders_min"] >= 5 and moved["coverage"] == 1.0      # balanced within the 1 h warm-up
+    assert moved["holders_p5"] > alone["holders_p5"]
+
+
+def test_under_churn_rebalancing_leaves_blocks_empty_for_less_time():
+    churn = replace(CHURNY, members=96)                                 # ~2 ready holders per block
+    alone = [simulate(replace(churn, seed=s)) for s in range(4)]
+    moved = [simulate(replace(churn, seed=s, rebalance=True)) for s in range(4)]
+
+    def mean(runs, k):
+        return sum(r[k] for r in runs) / len(runs)
+
+    assert 0 < mean(alone, "coverage") < 1.0                           # the churn does empty blocks
+    assert all(m["moves"] > 0 for m in moved)
+    assert [r["online_mean"] for r in alone] == [r["online_mean"] for r in moved]   # same arrivals, departures
+    assert mean(moved, "block_uncovered_fraction") < mean(alone, "block_uncovered_fraction")
+    assert mean(moved, "coverage") > mean(alone, "coverage")
+
+
+def test_same_seed_same_figures_other_seed_other_figures():
+    a = simulate(replace(CHURNY, rebalance=True))
+    b = simulate(replace(CHURNY, rebalance=True))
+    c = simulate(replace(CHURNY, rebalance=True, seed=1))
+    assert figures(a) == figures(b)
+    assert figures(a) != figures(c)
+
+
+def test_the_view_is_what_choose_block_reads():
+    """check_view rebuilds the holder map at every join and asserts block_load / choose_block agree."""
+    sim = Simulation(replace(CHURNY, rebalance=True, check_view=True, policy=RebalancePolicy(min_dwell_s=60.0)))
+    sim.run()
+    assert sim.joins > 20 and sim.moves > 0
+
+
+def test_stale_announcements_cost_generations():
+    """Crashed members' records stay until their TTL: tries that land on them fail over, and with one
+    try a generation fails; with graceful leaves (records withdrawn at once) it never does."""
+    one_try = replace(CHURNY, attempts=1, ttl_s=600.0)
+    crash = simulate(replace(one_try, graceful_fraction=0.0))
+    polite = simulate(replace(one_try, graceful_fraction=1.0))
+    def held(r):      # the fraction of generation instants with every block held
+        return 1.0 - r["generation_fail_no_holder"]
+
+    assert crash["generation_success"] < held(crash) - 1e-3
+    assert polite["generation_success"] == pytest.approx(held(polite), abs=1e-12)
+    five = simulate(replace(CHURNY, graceful_fraction=0.0, ttl_s=600.0))
+    assert five["generation_success"] > crash["generation_success"]
+
+
+def test_departures_fail_averaging_groups():
+    r = simulate(CHURNY)
+    assert r["groups_failed_by_a_departure"] > 0
+    assert 0 < r["averaging_participation"] < 1.0
+
+
+def test_run_simulation_compares_both_policies_on_the_same_churn():
+    res = run_simulation(replace(STILL, days=1 / 24), churns=["volunteer"], seeds=2)
+    sc = res["scenarios"]["volunteer"]
+    assert set(sc["runs"]) == {"join-only", "join+rebalance"}
+    assert len(sc["runs"]["join-only"]["coverage_by_seed"]) == 2
+    assert sc["runs"]["join-only"]["online_mean"] == sc["runs"]["join+rebalance"]["online_mean"]
+    assert sc["settings"]["session_median_h"] == 2.0                 # the preset was applied
+
+
+def test_cli_json_is_one_line():
+    r = CliRunner().invoke(cli, ["bench", "simulate", "--members", "40", "--blocks", "4", "--days", "0.05",
+                                 "--warmup-h", "0.5", "--json"])
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.strip().splitlines()
+    assert len(lines) == 1
+    res = json.loads(lines[0])
+    assert set(res["scenarios"]) == {"volunteer", "harsh"}
+    for sc in res["scenarios"].values():
+        assert set(sc["runs"]) == {"join-only", "join+rebalance"}
+        assert 0.0 <= sc["runs"]["join-only"]["coverage"] <= 1.0
