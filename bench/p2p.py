@@ -25,7 +25,7 @@ import torch
 from blocktrain.node.swarm.launcher import ManagedProcess
 from blocktrain.p2p.aioloop import LoopThread
 from blocktrain.p2p.discovery import Discovery
-from blocktrain.p2p.hops import HopLimits, HopRequest
+from blocktrain.p2p.hops import HopLimits, HopRequest, HopResponse
 from blocktrain.p2p.records import BlockAnnouncement
 from blocktrain.p2p.rpc_client import HopClient
 from blocktrain.p2p.rpc_server import BlockRPCServer
@@ -49,15 +49,14 @@ def _timed(fn: Callable[[], Any], n: int, warmup: int = 2) -> list[float]:
 
 
 # -- node A: the server process (--serve) -----------------------------------------------------------
-def _serve_hop(block: int, state: torch.Tensor, context: torch.Tensor, sigmas: torch.Tensor,
-               want_logits: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _serve_hop(req: HopRequest) -> HopResponse:
     """Deterministic and cheap, so the figures time the wire: ``state * 0.5 + sigma`` (sigma = the
     first noise level of each row), logits one-hot of the context."""
-    sigma = sigmas.reshape(-1, 2)[:, 0].to(torch.float32)
-    n = state.shape[0]
-    out = state.float() * 0.5 + sigma.expand(n).reshape(n, 1, 1)
-    logits = torch.nn.functional.one_hot(context.long(), 256).float() if want_logits else None
-    return out.to(state.dtype), logits
+    sigma = req.sigmas.reshape(-1, 2)[:, 0].to(torch.float32)
+    n = req.state.shape[0]
+    out = req.state.float() * 0.5 + sigma.expand(n).reshape(n, 1, 1)
+    logits = torch.nn.functional.one_hot(req.context.long(), 256).float() if req.want_logits else None
+    return HopResponse(req.request_id, out.to(req.state.dtype), logits)
 
 
 def _reply(obj: dict[str, Any]) -> None:
@@ -88,7 +87,7 @@ def serve() -> None:
             if c.get("cmd") == "announce":
                 ann = BlockAnnouncement(
                     peer_id=disc.peer_id, block_index=c["block_index"], state="online", step=0, samples_seen=0,
-                    throughput=1.0, load=0.0, serving=True, addresses=disc.visible_maddrs(),
+                    throughput=1.0, serving=True, addresses=disc.visible_maddrs(),
                     software_version="bench", config_hash=c["config_hash"], run_id=RUN)
                 _reply({"ok": True, "result": disc.announce(ann)})
             elif c:

@@ -139,8 +139,10 @@ class Outsider:
 
     def sybils(self, run_id: str, block: int, config_hash: str, n: int, stall: int = 0) -> dict:
         keys = [RSAPrivateKey() for _ in range(n)]
-        # the DHT runs in its own process: hand it a signer holding the new keys
-        self.dht.run_coroutine(partial(_add_signer, signer=ManyKeysSigner(keys)))
+        # the DHT runs in its own process: hand it signers holding the new keys, a few keys per
+        # message (hivemind's pipe to its DHT process fails on messages larger than the pipe buffer)
+        for i in range(0, len(keys), 4):
+            self.dht.run_coroutine(partial(_add_signer, signer=ManyKeysSigner(keys[i:i + 4])))
         stall_addrs = {}
         for k in keys[:stall]:   # a real daemon under that identity, whose hop handler never answers
             path = f"/tmp/outsider-{peer_id_of(k)[-12:]}.key"
