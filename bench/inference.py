@@ -248,34 +248,3 @@ def _row(n, os_runs, ar, q, prompt, ref, n_blocks, delay_ms) -> dict:
         "prompt": prompt.decode("utf-8", "replace"),
         "text": {m: t.decode("utf-8", "replace") for m, t in net_text.items()},
     }
-
-
-def plot_inference(res: dict, path: str | Path) -> Path:
-    """Wall time per generation vs output length, one-sweep vs autoregressive (log scale)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = res["lengths"]
-    ns = [r["n"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for mode, label in (("autoregressive", "autoregressive (1 traversal per byte)"),
-                        ("one_sweep", "one-sweep (1 traversal per output)")):
-        ax.plot(ns, [r[mode]["wall_s"] for r in rows], marker="o", label=label)
-        ax.plot(ns, [r["injected_delay_floor_s"][mode] for r in rows], ls=":", color="gray", lw=1)
-    for r in rows:
-        ax.annotate(f"{r['speedup']:.0f}x", (r["n"], r["one_sweep"]["wall_s"]), textcoords="offset points",
-                    xytext=(0, 8), ha="center", fontsize=8)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("output bytes")
-    ax.set_ylabel("wall time per generation (s)")
-    ax.set_title(f"{res['hops']} hops, {res['delay_ms']:g} ms one-way per hop (dotted: injected delay alone)",
-                 fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -1,5 +1,8 @@
 """Worker resources: peak training memory and step throughput of ONE block vs the end-to-end reference.
 
+(Over 400 lines on purpose: both measurements share the trainee setup and the process-isolated
+measuring child below, and a third of the file is this description of the method.)
+
 ``bench memory``
     Each measurement (one block, or the full-depth reference) runs in a FRESH Python process
     (``python -m blocktrain.bench.resources --measure block|reference ...``) so neither

@@ -1,5 +1,8 @@
 """``bt-node bench swarm``: gossip-averaged replicas vs one worker per block, at equal per-block steps.
 
+(Over 400 lines on purpose: a run's lifecycle (``_Run``: launch, equal starting weights, final round,
+scoring through the network) and the driver that compares runs read best in one file.)
+
 Each *run* is a real local network of ``bt-node seed|join`` processes on 127.0.0.1 (one torch
 thread each):
 
@@ -432,36 +435,3 @@ def _summary(cfg, s, split, data_used, ce_init, n_params, results, seconds) -> d
                    "from a shared step-0 checkpoint; CE: the chain through the network on the same held-out "
                    "windows and noise seed for every run, mean over replica chains"),
     }
-
-
-def plot_swarm(res: dict, path: str | Path) -> Path:
-    """CE vs wall time and CE vs bytes moved, one line per run."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = {"baseline": "black", "avg-fp32": "C0", "avg-fp16": "C1", "avg-8bit": "C2"}
-    for name, r in res["runs"].items():
-        c = r["curve"]
-        kw = dict(marker="o", ms=3, label=name, color=colors.get(name))
-        a.plot([p["t"] for p in c], [p["ce"] for p in c], **kw)
-        if r["averaging"]:
-            b.plot([p["bytes_sent"] / 1e6 for p in c], [p["ce"] for p in c], **kw)
-    b.axhline(res["runs"]["baseline"]["curve"][-1]["ce"], color="black", ls="--", lw=1,
-              label="baseline at the same steps (0 bytes)")
-    a.set_xlabel("wall time since the first worker started (s)")
-    b.set_xlabel("averaging bytes sent, all workers (MB)")
-    for ax in (a, b):
-        ax.set_ylabel("chain CE, nats/byte (held-out)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    s = res["settings"]
-    fig.suptitle(f"bench swarm: {s['max_steps']} steps per worker, protocol {res['protocol']} (curve: "
-                 f"{s['curve_windows']} held-out windows; each averaged run's last point is after its final "
-                 f"explicit round)", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

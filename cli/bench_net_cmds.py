@@ -94,7 +94,8 @@ def bench_swarm_cmd(steps, average_every, compressions, layout, overrides, data,
     Example:
       bt-node bench swarm --plot docs/bench_swarm_ce.png
     """
-    from blocktrain.bench.swarm import SwarmBenchSettings, plot_swarm, run_bench_swarm   # imports hivemind
+    from blocktrain.bench.plots import plot_swarm
+    from blocktrain.bench.swarm import SwarmBenchSettings, run_bench_swarm   # imports hivemind
 
     s = SwarmBenchSettings.tiny() if tiny else SwarmBenchSettings()
     s.overrides += list(overrides)
@@ -251,7 +252,8 @@ def bench_inference_cmd(lengths, delay_ms, train_budget, reference_budget, promp
     Example:
       bt-node bench inference --delay-ms 25
     """
-    from blocktrain.bench.inference import InferenceBenchSettings, plot_inference, run_bench_inference
+    from blocktrain.bench.plots import plot_inference
+    from blocktrain.bench.inference import InferenceBenchSettings, run_bench_inference
 
     s = InferenceBenchSettings.tiny() if tiny else InferenceBenchSettings()
     s.overrides += list(overrides)

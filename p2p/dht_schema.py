@@ -15,6 +15,7 @@ hivemind's SchemaValidator needs pydantic v1 models, hence ``pydantic.v1`` here.
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Dict, Literal, Optional
 
@@ -23,12 +24,17 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.dht.validation import RecordValidatorBase
 from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import ValueWithExpiration
 
-from blocktrain.p2p.records import NETWORK_DATA_SPEC_RE, validate_run_id
+from blocktrain.p2p.errors import IdentityError, RecordError
+from blocktrain.p2p.identity import peer_id_from_public_key
+from blocktrain.p2p.records import NETWORK_DATA_SPEC_RE, BlockAnnouncement, RunManifest, validate_run_id
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "manifest_key", "blocks_key", "block_subkey", "owner_marker", "parse_block_subkey",
-    "make_validators", "run_schema_validator",
+    "make_validators", "run_schema_validator", "parse_manifests", "parse_holders",
 ]
 
 _STR = pv1.constr(strict=True, max_length=256)
@@ -121,3 +127,58 @@ def run_schema_validator(run_id: str) -> SchemaValidator:
 def make_validators(record_key: RSAPrivateKey, run_ids: list[str] | tuple[str, ...] = ()) -> list[RecordValidatorBase]:
     """The validators every BlockTrain DHT node runs: signatures always, schemas for the runs it follows."""
     return [RSASignatureValidator(record_key), *(run_schema_validator(r) for r in run_ids)]
+
+
+# -- reading raw DHT results (pure): what a reader believes -----------------------------------------
+def _subentries(found: ValueWithExpiration | None) -> dict[Any, Any]:
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return found.value
+
+
+def parse_manifests(run_id: str, found: ValueWithExpiration | None, seeder_public_key: str | None
+                    ) -> list[RunManifest]:
+    out: list[RunManifest] = []
+    for subkey, item in _subentries(found).items():
+        owner = parse_owner_marker(subkey)
+        if owner is None or item.value is None:
+            continue
+        try:
+            m = RunManifest.from_wire(item.value)
+        except RecordError as e:
+            logger.debug("dropping malformed manifest of run %s: %s", run_id, e)
+            continue
+        if m.run_id != run_id or m.seeder_public_key.encode() != owner:
+            logger.debug("dropping manifest of run %s not signed by its seeder", run_id)
+            continue
+        if seeder_public_key is not None and m.seeder_public_key != seeder_public_key:
+            continue
+        out.append(m)
+    return out
+
+
+def parse_holders(
+    run_id: str, found: ValueWithExpiration | None, config_hash: str
+) -> dict[int, list[BlockAnnouncement]]:
+    holders: dict[int, list[BlockAnnouncement]] = {}
+    for subkey, item in _subentries(found).items():
+        parsed = parse_block_subkey(subkey)
+        if parsed is None or item.value is None:  # foreign subkey or tombstone
+            continue
+        block, owner = parsed
+        try:
+            ann = BlockAnnouncement.from_wire(item.value)
+            signer = peer_id_from_public_key(owner)
+        except (RecordError, IdentityError) as e:
+            logger.debug("dropping malformed announcement in run %s: %s", run_id, e)
+            continue
+        if ann.peer_id != signer or ann.block_index != block or ann.run_id != run_id:
+            logger.debug("dropping announcement of %s: signer %s / subkey block %d disagree",
+                         ann.peer_id, signer, block)
+            continue
+        if ann.config_hash != config_hash or not ann.is_live:
+            continue
+        holders.setdefault(block, []).append(ann)
+    for anns in holders.values():
+        anns.sort(key=lambda a: a.peer_id)
+    return dict(sorted(holders.items()))

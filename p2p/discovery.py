@@ -21,19 +21,19 @@ from typing import Any, TypeVar
 from hivemind.dht import DHT
 from hivemind.dht.node import DHTNode
 from hivemind.utils.crypto import RSAPrivateKey
-from hivemind.utils.timed_storage import ValueWithExpiration, get_dht_time
+from hivemind.utils.timed_storage import get_dht_time
 
 from blocktrain.p2p.addresses import parse_initial_peers, parse_multiaddr
 from blocktrain.p2p.aioloop import LoopThread, in_event_loop
 from blocktrain.p2p.dht_schema import (
-    block_subkey, blocks_key, make_validators, manifest_key, owner_marker, parse_block_subkey,
-    parse_owner_marker, run_schema_validator,
+    block_subkey, blocks_key, make_validators, manifest_key, owner_marker, parse_holders, parse_manifests,
+    run_schema_validator,
 )
 from blocktrain.p2p.errors import (
     ConfigMismatchError, DiscoveryError, IdentityError, IdentityInUseError, ManifestConflictError,
     RecordError, RunNotFoundError,
 )
-from blocktrain.p2p.identity import NodeIdentity, peer_id_from_public_key
+from blocktrain.p2p.identity import NodeIdentity
 from blocktrain.p2p.records import PROTOCOL_VERSION, BlockAnnouncement, RunManifest, validate_run_id
 
 __all__ = [
@@ -403,61 +403,6 @@ class Discovery:
         """Live holders per block: signed by the peer they name, not tombstoned, state joining/online,
         matching ``config_hash`` (default: the run manifest's)."""
         return self._sync(self.alist_holders(run_id, config_hash), "list_holders")
-
-
-# -- interpretation of raw DHT results (pure) ----------------------------------------------------
-def _subentries(found: ValueWithExpiration | None) -> dict[Any, Any]:
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    return found.value
-
-
-def parse_manifests(run_id: str, found: ValueWithExpiration | None, seeder_public_key: str | None
-                    ) -> list[RunManifest]:
-    out: list[RunManifest] = []
-    for subkey, item in _subentries(found).items():
-        owner = parse_owner_marker(subkey)
-        if owner is None or item.value is None:
-            continue
-        try:
-            m = RunManifest.from_wire(item.value)
-        except RecordError as e:
-            logger.debug("dropping malformed manifest of run %s: %s", run_id, e)
-            continue
-        if m.run_id != run_id or m.seeder_public_key.encode() != owner:
-            logger.debug("dropping manifest of run %s not signed by its seeder", run_id)
-            continue
-        if seeder_public_key is not None and m.seeder_public_key != seeder_public_key:
-            continue
-        out.append(m)
-    return out
-
-
-def parse_holders(
-    run_id: str, found: ValueWithExpiration | None, config_hash: str
-) -> dict[int, list[BlockAnnouncement]]:
-    holders: dict[int, list[BlockAnnouncement]] = {}
-    for subkey, item in _subentries(found).items():
-        parsed = parse_block_subkey(subkey)
-        if parsed is None or item.value is None:  # foreign subkey or tombstone
-            continue
-        block, owner = parsed
-        try:
-            ann = BlockAnnouncement.from_wire(item.value)
-            signer = peer_id_from_public_key(owner)
-        except (RecordError, IdentityError) as e:
-            logger.debug("dropping malformed announcement in run %s: %s", run_id, e)
-            continue
-        if ann.peer_id != signer or ann.block_index != block or ann.run_id != run_id:
-            logger.debug("dropping announcement of %s: signer %s / subkey block %d disagree",
-                         ann.peer_id, signer, block)
-            continue
-        if ann.config_hash != config_hash or not ann.is_live:
-            continue
-        holders.setdefault(block, []).append(ann)
-    for anns in holders.values():
-        anns.sort(key=lambda a: a.peer_id)
-    return dict(sorted(holders.items()))
 
 
 def _kill_dht(dht: DHT) -> None:

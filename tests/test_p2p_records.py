@@ -13,7 +13,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from blocktrain.p2p.dht_schema import (
     block_subkey, blocks_key, make_validators, manifest_key, owner_marker, parse_block_subkey,
 )
-from blocktrain.p2p.discovery import parse_holders, parse_manifests
+from blocktrain.p2p.dht_schema import parse_holders, parse_manifests
 from blocktrain.p2p.identity import NodeIdentity
 from blocktrain.p2p.records import BlockAnnouncement, RecordError, RunManifest
 from hivemind.utils.timed_storage import ValueWithExpiration
