@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _figure():
+def figure():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
 
 
-def _save(plt, fig, path: str | Path) -> Path:
+def save(plt, fig, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -24,7 +24,7 @@ def _save(plt, fig, path: str | Path) -> Path:
 
 def plot_swarm(res: dict, path: str | Path) -> Path:
     """CE vs wall time and CE vs bytes moved, one line per run."""
-    plt = _figure()
+    plt = figure()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = {"baseline": "black", "avg-fp32": "C0", "avg-fp16": "C1", "avg-8bit": "C2"}
     for name, r in res["runs"].items():
@@ -45,12 +45,12 @@ def plot_swarm(res: dict, path: str | Path) -> Path:
     fig.suptitle(f"bench swarm: {s['max_steps']} steps per worker, protocol {res['protocol']} (curve: "
                  f"{s['curve_windows']} held-out windows; each averaged run's last point is after its final "
                  f"explicit round)", fontsize=9)
-    return _save(plt, fig, path)
+    return save(plt, fig, path)
 
 
 def plot_inference(res: dict, path: str | Path) -> Path:
     """Wall time per generation vs output length, one-sweep vs autoregressive (log scale)."""
-    plt = _figure()
+    plt = figure()
     rows = res["lengths"]
     ns = [r["n"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -69,4 +69,4 @@ def plot_inference(res: dict, path: str | Path) -> Path:
                  fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    return _save(plt, fig, path)
+    return save(plt, fig, path)

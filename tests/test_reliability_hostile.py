@@ -133,10 +133,11 @@ def test_bad_hop_holders_are_dropped_and_requests_retried_elsewhere(net):
     assert banned >= sum(failovers), metrics
     # a router that has measured nobody orders strangers at random: fresh clients until one meets a
     # faulty holder first, and that request must still complete through h1 (P(8 misses) = 3^-8)
-    tried = sum(failovers)
+    tried, fresh = sum(failovers), 0
     for i in range(8):
         if tried:
             break
+        fresh += 1
         c = NetworkClient([net["sw"].seed_maddr], RUN)
         try:
             out = c.generate(f"Fresh {i}: ".encode(), 8, seed=i)
@@ -146,7 +147,8 @@ def test_bad_hop_holders_are_dropped_and_requests_retried_elsewhere(net):
         tried += out["failovers"]
     assert tried >= 1
     report("hop_faults", requests=len(results), completed=len(results), failovers=failovers,
-           faulty_holders=["nan_hops", "shape_hops"], peers_banned=banned)
+           faulty_holders=["nan_hops", "shape_hops"], peers_banned=banned, fresh_clients=fresh,
+           failovers_total=tried)
 
 
 def _average_with(n0, hostile, identity: int, mode: str, timeout: float = 45.0) -> tuple[dict, dict]:

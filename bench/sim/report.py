@@ -122,9 +122,8 @@ def plot_simulation(res: dict, path: str | Path) -> Path:
     hour, both policies (the first seed); the mean holders per block, the same for both, in grey."""
     import textwrap
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from blocktrain.bench.plots import figure, save
+    plt = figure()
     sc = res["scenarios"]
     fig, axes = plt.subplots(2, len(sc), figsize=(6.2 * len(sc), 6.8), squeeze=False, sharex="col")
     colors = {"join-only": "C3", "join+rebalance": "C0"}
@@ -149,12 +148,7 @@ def plot_simulation(res: dict, path: str | Path) -> Path:
             ax.legend(fontsize=7)
     fig.suptitle("bt-node bench simulate: block coverage under churn, join-only vs join + rebalancing "
                  "(churn and timings assumed)", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(plt, fig, path)
 
 
 __all__ = ["run_simulation", "simulate", "summarize", "pool", "plot_simulation", "POLICIES", "COVERAGE_BAR",
