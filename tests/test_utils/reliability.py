@@ -94,7 +94,7 @@ def kill9(node: NodeProc) -> float:
 def operator_action(node: NodeProc, path: str, timeout: float = 90.0) -> dict:
     """POST an operator action (/v1/average, /v1/eval) from 127.0.0.1 and wait for its job; the
     action's result, or {'error': ...} when the job failed."""
-    job = run_job(node.url, path, timeout=timeout)
+    job = run_job(node.url, path, timeout=timeout, poll_s=0.1)   # back-to-back rounds, as when the POST held them
     return job["result"] if job["status"] == "done" else {"error": "job failed", "detail": job["error"]}
 
 
