@@ -44,6 +44,7 @@ from blocktrain.blocks.config import ModelConfig
 from blocktrain.blocks.windows import eval_windows
 from blocktrain.blocks.objectives import get_objective
 from blocktrain.blocks.default_data import resolve_default
+from blocktrain.node.http.jobs import run_job
 from blocktrain.node.swarm.launcher import LocalSwarm
 from blocktrain.node.swarm.run import typed_settings
 
@@ -191,7 +192,8 @@ class _Run:
 
     def final_round(self, attempts: int = 3) -> list[dict]:
         """One explicit averaging round for every replicated block once all workers are done
-        (POST /v1/average on all replicas at once; a block whose round did not form is retried)."""
+        (POST /v1/average on all replicas at once, each a job polled to its end; a block whose round
+        did not form is retried)."""
         import threading
         groups: dict[int, list] = {}
         for nd, b in zip(self.swarm.nodes, self.plan):
@@ -205,7 +207,9 @@ class _Run:
 
             def ask(nd):
                 try:
-                    verdicts[nd.name] = nd.post("/v1/average", {}, timeout=120).json()
+                    job = run_job(nd.url, "/v1/average", timeout=120)   # an operator job: 202, then poll
+                    verdicts[nd.name] = job["result"] if job["status"] == "done" else \
+                        {"accepted": None, "reason": f"averaging job failed: {job['error']}"}
                 except Exception as e:  # reported, retried
                     verdicts[nd.name] = {"accepted": None, "reason": f"{type(e).__name__}: {e}"}
 

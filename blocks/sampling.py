@@ -36,7 +36,10 @@ def sample_bytes(logits: torch.Tensor, temperature: float, generator: torch.Gene
     """Greedy at temperature 0, else a categorical sample; logits (..., V) -> (...) long."""
     if temperature <= 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    scaled = logits.float() / temperature
+    if bool(torch.isfinite(logits).all()) and not bool(torch.isfinite(scaled).all()):
+        return logits.argmax(-1)   # a temperature so small that logits / T overflows: its limit, greedy
+    probs = torch.softmax(scaled, dim=-1)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
 

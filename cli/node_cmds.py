@@ -157,12 +157,19 @@ def _check_peer_ids(_ctx, _param, values):
 
 
 def private_run_options(fn):
-    """--allow-peer PEERID (repeatable) and --run-secret-file FILE for seed and join."""
+    """--allow-peer PEERID (repeatable) and --run-secret-file FILE for seed and join, and
+    --operator-token-file FILE (who may ask the HTTP API for operator actions)."""
     @functools.wraps(fn)
-    def wrapper(*args, allow_peers=(), run_secret_file=None, **kwargs):
+    def wrapper(*args, allow_peers=(), run_secret_file=None, operator_token_file=None, **kwargs):
         _PRIVATE_RUN.set({"allowed_peers": frozenset(allow_peers) if allow_peers else None,
-                          "run_secret_file": Path(run_secret_file) if run_secret_file else None})
+                          "run_secret_file": Path(run_secret_file) if run_secret_file else None,
+                          "operator_token_file": Path(operator_token_file) if operator_token_file else None})
         return fn(*args, **kwargs)
+    wrapper = click.option(
+        "--operator-token-file", default=None, metavar="FILE",
+        help="HTTP API: clients not on this machine may start operator actions (POST /v1/average, "
+             "/v1/eval) with 'Authorization: Bearer <the file's token>' (>= 16 printable bytes, read once "
+             "at start). Without it those actions are local-only (127.0.0.1 / ::1).")(wrapper)
     wrapper = click.option(
         "--run-secret-file", type=click.Path(exists=True, dir_okay=False), default=None,
         help="Private run: a shared secret (>= 16 bytes) folded into the averaging group name, so peers "
@@ -284,7 +291,8 @@ def _network(initial_peers, address) -> bool:
               help="Run every block on this machine, loaded from this directory (written by export or "
                    "train-local --out): no network.")
 @click.option("--mode", type=click.Choice(["one_sweep", "autoregressive"]), default="one_sweep", show_default=True)
-@click.option("--max-bytes", type=click.IntRange(1, 1024), default=64, show_default=True)
+@click.option("--max-bytes", type=click.IntRange(1, 1024), default=None,
+              help="Bytes to generate (default: min(64, the most the run can emit in the mode)).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--temperature", type=click.FloatRange(0, 2), default=0.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
@@ -301,17 +309,22 @@ def generate(prompt, initial_peers, http_url, run_id, checkpoint, mode, max_byte
     _need_where(**{"--checkpoint DIR": checkpoint, PEERS: _network(initial_peers, run_id), HTTP: http_url})
     if checkpoint:
         from ..blocks.model import load
-        res = load(checkpoint).generate(prompt.encode(), max_bytes, mode, seed=seed, temperature=temperature)
+        model = load(checkpoint)
+        n = max_bytes or model.objective.generate_default(mode)
+        res = model.generate(prompt.encode(), n, mode, seed=seed, temperature=temperature)
         res.pop("bytes")
         res["checkpoint"] = checkpoint
     elif http_url:
-        res = _http_call(http_url, "/v1/generate", {"prompt": prompt, "max_bytes": max_bytes, "mode": mode,
-                                                    "seed": seed, "temperature": temperature})
+        body = {"prompt": prompt, "mode": mode, "seed": seed, "temperature": temperature}
+        if max_bytes is not None:   # else the node's default for its run and this mode
+            body["max_bytes"] = max_bytes
+        res = _http_call(http_url, "/v1/generate", body)
     else:
         from ..node.client import NetworkClient
         c = NetworkClient(_peers(initial_peers, run_id), run_id)
         try:
-            res = c.generate(prompt.encode(), max_bytes, mode, seed=seed, temperature=temperature)
+            res = c.generate(prompt.encode(), max_bytes or c.objective.generate_default(mode), mode, seed=seed,
+                             temperature=temperature)
             res.pop("bytes", None)
         finally:
             c.close()

@@ -48,23 +48,23 @@ def validate_peer_id(peer_id: str, *, what: str = "--allow-peer") -> str:
     return s
 
 
-def load_secret(path: str | Path) -> bytes:
-    """Read a run secret file (surrounding whitespace ignored); errors name the file and the problem."""
+def load_secret(path: str | Path, what: str = "run secret file") -> bytes:
+    """Read a secret file (surrounding whitespace ignored); errors name the file and the problem."""
     p = Path(path)
     try:
         raw = p.read_bytes()
     except FileNotFoundError:
-        raise ValueError(f"run secret file {p}: not found") from None
+        raise ValueError(f"{what} {p}: not found") from None
     except IsADirectoryError:
-        raise ValueError(f"run secret file {p}: is a directory, expected a file") from None
+        raise ValueError(f"{what} {p}: is a directory, expected a file") from None
     except OSError as e:
-        raise ValueError(f"run secret file {p}: cannot read it ({e.strerror or e})") from None
+        raise ValueError(f"{what} {p}: cannot read it ({e.strerror or e})") from None
     secret = raw.strip()
     if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"run secret file {p}: holds {len(secret)} bytes, need at least {MIN_SECRET_BYTES} "
+        raise ValueError(f"{what} {p}: holds {len(secret)} bytes, need at least {MIN_SECRET_BYTES} "
                          f"(make one with: head -c 32 /dev/urandom | base64 > {p.name})")
     if len(secret) > MAX_SECRET_BYTES:
-        raise ValueError(f"run secret file {p}: holds {len(secret)} bytes, at most {MAX_SECRET_BYTES} allowed")
+        raise ValueError(f"{what} {p}: holds {len(secret)} bytes, at most {MAX_SECRET_BYTES} allowed")
     return secret
 
 

@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from blocktrain.blocks.objectives.base import MODES
 from blocktrain.node.routing.router import RouteLog, Router
 
 
@@ -20,6 +21,12 @@ def generate(objective, router: Router, prompt: bytes, n_bytes: int, mode: str, 
             "mode": mode, "route": route.route(), "traversals": route.calls // router.n_blocks,
             "seconds": seconds, "latency_ms": round(seconds * 1000, 2), "failovers": route.failovers,
             "bytes_out": route.bytes_out, "bytes_in": route.bytes_in}
+
+
+def limits(objective) -> dict[str, dict[str, int]]:
+    """Per mode: the most bytes one request may ask for and the default length (both valid for
+    this run's objective and seq_len)."""
+    return {m: {"max": objective.generate_limit(m), "default": objective.generate_default(m)} for m in MODES}
 
 
 def score(objective, router: Router, windows: torch.Tensor, k: int) -> dict:

@@ -113,7 +113,7 @@ class Node:
         self.state = "online"
         if o.http_port is not None:
             from blocktrain.node.http.server import HttpServer
-            self.http = HttpServer(self, o.http_host, o.http_port)
+            self.http = HttpServer(self, o.http_host, o.http_port, operator_token=o.operator_token)
             self.http.start()
             td.push("http", self.http.stop)
         self.discovery.start_announcing(self.announcement)
@@ -302,6 +302,9 @@ class Node:
                                   temperature=temperature)
         out.pop("bytes")
         return out
+
+    def generate_limits(self) -> dict[str, dict[str, int]]:
+        return generation.limits(self.trainer.objective)
 
     def score(self, text: bytes, k: int) -> dict:
         res = generation.score(self.trainer.objective, self.router, text_windows(text, self.cfg.seq_len), k)

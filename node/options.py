@@ -35,9 +35,11 @@ class NodeOptions:
     ttl: float = 30.0
     allowed_peers: frozenset[str] | None = None    # private run: only these peer ids may call / average
     run_secret_file: Path | None = None            # private run: secret folded into the averaging prefix
+    operator_token_file: Path | None = None        # HTTP operator actions from non-local clients need this token
     averaging_compression: str = "fp32"        # fp32 | fp16 | 8bit: what the all-reduce sends
     inject_delay_ms: float = 0.0               # benchmark/testing knob: one-way delay per hop RPC
     upstream_refresh: float = 30.0             # forward-chained: seconds between snapshot refreshes of blocks < b
+    operator_token: bytes | None = field(default=None, init=False, repr=False)   # read once from the file
 
     def __post_init__(self) -> None:
         self.checkpoint_dir = Path(self.checkpoint_dir)
@@ -48,6 +50,10 @@ class NodeOptions:
             from .auth import load_secret
             self.run_secret_file = Path(self.run_secret_file)
             load_secret(self.run_secret_file)
+        if self.operator_token_file is not None:   # read once, here: a bad file fails before anything starts
+            from .http.operator import load_operator_token
+            self.operator_token_file = Path(self.operator_token_file)
+            self.operator_token = load_operator_token(self.operator_token_file)
         if self.run_id is not None and not RUN_ID_RE.match(self.run_id):
             raise ValueError(f"run id {self.run_id!r} must be 1-64 letters, digits, '_' or '-' "
                              "(no dots: it names DHT keys)")

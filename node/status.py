@@ -56,7 +56,8 @@ def build_status(node) -> NodeStatus:
     return NodeStatus(
         run={"run_id": node.run_id, "address": node.run_address, "config_hash": cfg.config_hash, "objective": cfg.objective,
              "n_blocks": cfg.n_blocks, "d_model": cfg.d_model, "layers_per_block": cfg.layers_per_block,
-             "seq_len": cfg.seq_len, "data": node.data_used, "protocol": node.split.protocol},
+             "seq_len": cfg.seq_len, "data": node.data_used, "protocol": node.split.protocol,
+             "generate": node.generate_limits()},
         self={"peer_id": node.peer_id, "block": node.block_index, "state": node.state, "step": t.step,
               "samples_seen": t.samples_seen, "throughput": t.throughput(), "loss": t.recent_loss(),
               "maddrs": node.discovery.visible_maddrs(), "uptime_s": time.time() - node.started_at,

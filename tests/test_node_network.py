@@ -18,6 +18,7 @@ from blocktrain.node.swarm.launcher import LocalSwarm
 from blocktrain.node.swarm.run import SWARM_DEFAULTS
 
 from test_utils.configs import TEST_CORPUS
+from test_utils.reliability import operator_action
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -92,7 +93,7 @@ def test_swarm_trains_averages_replicas_and_chain_ce_falls(net):
     verdicts = {}
 
     def average(n):
-        verdicts[n.name] = n.post("/v1/average", {}, timeout=120).json()
+        verdicts[n.name] = operator_action(n, "/v1/average", timeout=120)
 
     for attempt in range(3):   # a round can miss its partner; retry a bounded number of times
         ths = [threading.Thread(target=average, args=(n,)) for n in (sw.nodes[1], sw.nodes[4])]

@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+from blocktrain.node.http.jobs import run_job
 from blocktrain.node.swarm.launcher import LocalSwarm
 
 from test_utils.configs import TEST_CORPUS
@@ -44,9 +45,9 @@ def test_objective_trains_averages_scores_and_generates_across_processes(tmp_pat
                  "every node training")
         v = average_until_accepted([r1, r2])
         assert all(x.get("accepted") is True for x in v.values()), v
-        ev = seed.post("/v1/eval", {}, timeout=120)
-        assert ev.status_code == 200, ev.text
-        res = ev.json()
+        ev = run_job(seed.url, "/v1/eval", timeout=120)   # an operator job: 202, then poll it
+        assert ev["status"] == "done", ev
+        res = ev["result"]
         assert res["ce_kind"] == ce_kind and res["chain_ce"] < math.log(256), res
         g = r1.post("/v1/generate", {"prompt": "The ", "max_bytes": 8, "mode": "one_sweep"}, timeout=120)
         assert g.status_code == 200, g.text

@@ -26,7 +26,7 @@ from blocktrain.p2p.identity import NodeIdentity
 from test_utils.configs import TEST_CORPUS
 from test_utils.reliability import (
     MANUAL_AVG, TINY, HostileProc, RelSwarm, all_finite, average_until_accepted,
-    block_state, kill9, report, stop_swarm, wait_for,
+    block_state, kill9, operator_action, report, stop_swarm, wait_for,
 )
 
 pytestmark = [pytest.mark.reliability, pytest.mark.network]
@@ -157,7 +157,7 @@ def _average_with(n0, hostile, identity: int, mode: str, timeout: float = 45.0) 
     deadline = time.monotonic() + timeout
     verdict = {"accepted": None}
     while time.monotonic() < deadline:
-        verdict = n0.post("/v1/average", {}, timeout=90).json()
+        verdict = operator_action(n0, "/v1/average")
         if verdict.get("accepted") is not None:
             break
     return verdict, hostile.result(timeout + 30)
@@ -240,7 +240,7 @@ def test_private_averaging_group_is_hidden_and_closed(net):
         hostile.send("round", identity=ident, mode="scale1000", timeout=12)
         deadline = time.monotonic() + 12
         while time.monotonic() < deadline:
-            verdicts.append(p0.post("/v1/average", {}, timeout=90).json())
+            verdicts.append(operator_action(p0, "/v1/average"))
         results[kind] = hostile.result(60)
     assert me not in results["no_secret"]["group"], results    # never even found p0's group
     assert all(x.get("accepted") is not True for x in verdicts), verdicts   # nothing from outsiders landed

@@ -68,6 +68,9 @@ class FakeBackend:
         return {"text": "x" * max_bytes, "bytes_generated": max_bytes, "mode": mode,
                 "route": [{"block": 0, "peer": "p"}], "traversals": 1, "latency_ms": 1.0}
 
+    def generate_limits(self):
+        return {"one_sweep": {"max": 31, "default": 31}, "autoregressive": {"max": 1024, "default": 64}}
+
     def score(self, text, k):
         return {"ce": 1.0, "ce_kind": "exact", "bytes_scored": len(text), "k": k, "route": []}
 
@@ -118,7 +121,9 @@ def test_http_api_fuzzed_from_openapi_schema_in_process():
     t0 = time.monotonic()
     neg = _schemathesis_run(schema, "negative", 250, lambda c: c.call(), "http_schema_negative_asgi")
     pos = _schemathesis_run(schema, "positive", 50, lambda c: c.call(), "http_schema_positive_asgi")
-    assert pos.get(200, 0) >= 25, pos          # valid requests are served
+    # valid requests are served (200), except operator actions (403: the ASGI test client is not a
+    # local address) and job ids drawn at random (404: no such job)
+    assert pos.get(200, 0) >= 12 and set(pos) <= {200, 403, 404}, pos
     assert sum(v for k, v in neg.items() if 400 <= k < 500) >= 180, neg
     report("http_fuzz_asgi", negative=dict(neg), positive=dict(pos), seconds=round(time.monotonic() - t0, 1))
 
@@ -150,7 +155,7 @@ def test_http_raw_bodies_get_4xx_in_process():
             COUNTS["http_raw_bodies_asgi"] += 1
 
     run()
-    huge = client.post("/v1/generate", content=b"x" * 300_000, headers={"content-type": "application/json"})
+    huge = client.post("/v1/generate", content=b"x" * 1_100_000, headers={"content-type": "application/json"})
     assert huge.status_code == 413 and "bytes" in huge.json()["detail"], huge.text
     report("http_raw_fuzz_asgi", codes=dict(codes))
 
@@ -331,7 +336,7 @@ def _rss_mb(pid: int) -> float:
 
 def test_http_caps_413_503_429(node):
     url = node.url
-    r = httpx.post(url + "/v1/generate", content=b"{" + b" " * 300_000 + b"}",
+    r = httpx.post(url + "/v1/generate", content=b"{" + b" " * 1_100_000 + b"}",
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 413 and "bytes" in r.json()["detail"]
     # concurrency cap: 4 heavy requests in flight, the rest refused at once with 503

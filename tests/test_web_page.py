@@ -153,6 +153,17 @@ def test_dashboard_and_playground_in_a_real_browser(tmp_path):
                 err = page.locator("#gen-error")
                 err.wait_for(state="visible", timeout=10_000)
                 assert "422" in err.text_content() and "max_bytes" in err.text_content()
+                # an empty length leaves it to the node: the default for this run and mode, which the
+                # page shows with the mode's limit (GET v1/status run.generate)
+                limits = node.get("/v1/status")["run"]["generate"]["one_sweep"]
+                assert f"at most {limits['max']} bytes" in page.locator("#max-hint").text_content()
+                page.get_by_label("Max bytes").fill("")
+                with page.expect_response(lambda r: r.url.endswith("/v1/generate"), timeout=120_000) as dflt:
+                    page.get_by_role("button", name="Generate").click()
+                assert dflt.value.status == 200, dflt.value.text()
+                assert "max_bytes" not in dflt.value.request.post_data_json
+                assert dflt.value.json()["bytes_generated"] == limits["default"]
+                page.wait_for_selector("#gen-error[hidden]", state="attached", timeout=30_000)
                 page.get_by_label("Max bytes").fill("24")
                 page.wait_for_timeout(2500)   # one more refresh cycle with no errors
 

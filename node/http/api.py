@@ -1,30 +1,104 @@
-"""The HTTP API every node serves (FastAPI): generate, score, status, metrics, and the web page.
+"""The HTTP API every node serves (FastAPI): generate, score, status, metrics, operator jobs and the
+web page.
 
 The app talks to an ``ApiBackend`` (the running node) and never to the network directly. Limits:
-request bodies are capped, concurrent heavy requests are capped (503 when full), and each client
-address has a token-bucket rate limit (429). Bad requests get 4xx with a JSON ``detail``.
-"""
-from __future__ import annotations
+request bodies are capped (413), concurrent heavy requests are capped (503 when full), and each
+client address has a token-bucket rate limit on POSTs (429). Every status a route can answer is in
+``/openapi.json`` with its body: errors are ``{"detail": "..."}`` (``ErrorBody``), except 422,
+whose ``detail`` lists what is wrong where (``ValidationErrorBody``). Operator actions (averaging,
+held-out eval) are local-only unless the node has an operator token (``operator.py``), and answer
+at once with a job to poll (``jobs.py``).
 
+No ``from __future__ import annotations`` here: the request model of ``/v1/generate`` is built per
+run (its length limit depends on the objective and seq_len) and FastAPI must see it as a class.
+"""
 import threading
 import time
-from typing import Literal, Protocol
+from typing import Annotated, ClassVar, Literal, Protocol
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator
 
-MAX_BODY_BYTES = 256 * 1024
+from ...blocks.objectives.base import MAX_GENERATE_BYTES, MODES
+from .jobs import JOB_ID_PATTERN, JobTable
+from .operator import operator_refusal
+
+# every body the schema allows fits: 65,536 characters of text, each written as a 12-byte
+# surrogate-pair escape, is 786,432 bytes (a 413 for a schema-valid request would break its promise)
+MAX_BODY_BYTES = 1024 * 1024
+DEFAULT_MODE = "one_sweep"
+
+
+def _json_number(v):
+    """JSON Schema's integer and number: 7 and 7.0 are integers, but true and "7" are not numbers
+    (pydantic's lax mode would take them; its strict mode would refuse 7.0)."""
+    if isinstance(v, (bool, str, bytes)):
+        raise ValueError("must be a JSON number")
+    return v
+
+
+JsonInt = Annotated[int, BeforeValidator(_json_number)]
+
+
+def _optional(schema: dict) -> None:
+    """A field that may be left out (the server picks) but is never null: no "default" in its schema."""
+    schema.pop("default", None)
+JsonFloat = Annotated[float, BeforeValidator(_json_number)]
+
+
+class ErrorBody(BaseModel):
+    detail: str = Field(..., description="What went wrong, in words.")
+
+
+class ValidationIssue(BaseModel):
+    type: str
+    loc: list[str] = Field(..., description='Where: e.g. ["body", "max_bytes"].')
+    msg: str
+
+
+class ValidationErrorBody(BaseModel):
+    detail: list[ValidationIssue]
 
 
 class GenerateRequest(BaseModel):
-    model_config = {"extra": "forbid"}
+    model_config = ConfigDict(extra="forbid")
+    limits: ClassVar[dict[str, int]] = {m: MAX_GENERATE_BYTES for m in MODES}
+
     prompt: str = Field("", max_length=4096, description="Text to continue (UTF-8).")
-    max_bytes: int = Field(64, ge=1, le=1024, description="Bytes to generate.")
-    mode: Literal["one_sweep", "autoregressive"] = "one_sweep"
-    seed: int | None = Field(None, ge=0, le=2**31 - 1)
-    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    mode: Literal["one_sweep", "autoregressive"] = DEFAULT_MODE
+    max_bytes: JsonInt = Field(
+        None, ge=1, le=MAX_GENERATE_BYTES, json_schema_extra=_optional,
+        description="Bytes to generate. Absent: min(64, the most this run can emit in the mode). The "
+                    "per-mode limit of this run is in this schema and in GET /v1/status (run.generate); "
+                    "over it: 422.")
+    seed: JsonInt = Field(None, ge=0, le=2**31 - 1, json_schema_extra=_optional,
+                          description="Sampling seed. Absent: a fresh one.")
+    temperature: JsonFloat = Field(0.0, ge=0.0, le=2.0)
+
+    @field_validator("max_bytes")
+    @classmethod
+    def _within_mode_limit(cls, v: int, info: ValidationInfo) -> int:
+        mode = info.data.get("mode")
+        if v is not None and mode in cls.limits and v > cls.limits[mode]:
+            raise ValueError(f"max_bytes {v} is over what {mode} generation can emit for this run "
+                             f"(at most {cls.limits[mode]} bytes)")
+        return v
+
+
+def generate_request_model(limits: dict[str, int]) -> type[GenerateRequest]:
+    """GenerateRequest for one run: ``limits`` maps each mode to its most bytes. When a mode is
+    limited below MAX_GENERATE_BYTES the JSON schema says so with one alternative per mode (a
+    request that names no mode is one_sweep), so a client (or schemathesis) knows the limit."""
+    extra = None
+    if any(limits[m] < MAX_GENERATE_BYTES for m in MODES):
+        extra = {"anyOf": [{
+            "properties": {"mode": {"const": m}, "max_bytes": {"type": "integer", "minimum": 1, "maximum": limits[m]}},
+            **({} if m == DEFAULT_MODE else {"required": ["mode"]})} for m in MODES]}
+    return type("GenerateRequest", (GenerateRequest,), {
+        "__module__": __name__, "limits": dict(limits),
+        "model_config": ConfigDict(extra="forbid", json_schema_extra=extra)})
 
 
 class HopInfo(BaseModel):
@@ -45,9 +119,9 @@ class GenerateResponse(BaseModel):
 
 
 class ScoreRequest(BaseModel):
-    model_config = {"extra": "forbid"}
+    model_config = ConfigDict(extra="forbid")
     text: str = Field(..., min_length=2, max_length=65536, description="Text to score (UTF-8).")
-    k: int = Field(2, ge=1, le=8, description="Chain samples averaged.")
+    k: JsonInt = Field(2, ge=1, le=8, description="Chain samples averaged.")
 
 
 class ScoreResponse(BaseModel):
@@ -58,10 +132,22 @@ class ScoreResponse(BaseModel):
     route: list[HopInfo]
 
 
+class JobStatus(BaseModel):
+    job_id: str
+    kind: str
+    status: Literal["running", "done", "failed"]
+    poll: str = Field(..., description="GET this path until status is done or failed.")
+    created_at: float
+    finished_at: float | None
+    result: dict | None = Field(..., description="The action's answer once done.")
+    error: str | None = Field(..., description="Why it failed, when it did.")
+
+
 class ApiBackend(Protocol):
     """What the API asks of the node (``node.Node`` is one)."""
     def generate(self, prompt: bytes, max_bytes: int, mode: str, seed: int | None,
                  temperature: float) -> dict: ...
+    def generate_limits(self) -> dict[str, dict[str, int]]: ...   # {mode: {"max": n, "default": n}}
     def score(self, text: bytes, k: int) -> dict: ...
     def evaluate(self) -> dict: ...
     def average_now(self) -> dict: ...
@@ -137,14 +223,44 @@ def _validation_detail(exc: RequestValidationError) -> list[dict]:
             for e in exc.errors()]
 
 
+class _Invalid(Exception):
+    """A request the schema let through but the backend found invalid: a 422 in the documented shape."""
+
+
+_WHY = {400: "Malformed request.", 401: "Operator action from a non-local client without a token.",
+        403: "Operator action refused: not local, and no or a wrong operator token.",
+        404: "No such job (unknown, or dropped from the bounded job table).",
+        413: f"Request body over {MAX_BODY_BYTES} bytes.", 429: "Rate limit: too many POSTs from this client.",
+        503: "Node busy (too many requests in flight) or the network could not serve the request."}
+
+
+def _documented(*codes: int) -> dict:
+    """The ``responses=`` of a route: each error status with its model (422: ValidationErrorBody)."""
+    out: dict = {c: {"model": ErrorBody, "description": _WHY[c]} for c in codes if c != 422}
+    if 422 in codes:
+        out[422] = {"model": ValidationErrorBody, "description": "Invalid request: what is wrong, and where."}
+    return out
+
+
+BODY_ROUTE = (400, 413, 422, 429, 503)
+OPERATOR_ROUTE = (401, 403, 413, 429)
+OPERATOR_SECURITY = {"security": [{}, {"operator_token": []}]}   # none from 127.0.0.1 / ::1, else the token
+
+
 def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: float = 5.0, burst: int = 20,
-               static_dir: str | None = None) -> FastAPI:
+               static_dir: str | None = None, operator_token: bytes | None = None, keep_jobs: int = 32) -> FastAPI:
     app = FastAPI(title="BlockTrain node", version="1", description=(
         "Ask this node for text generated by the whole chain of blocks, score text, or read the "
-        "state of the run. Any node answers: it routes through live holders of every block."))
+        "state of the run. Any node answers: it routes through live holders of every block. "
+        "Operator actions (POST /v1/average, POST /v1/eval) are for the node's own machine "
+        "(127.0.0.1 / ::1) or a client with the node's operator token (Authorization: Bearer); "
+        "they answer 202 with a job to poll at GET /v1/jobs/{job_id}."))
     heavy = threading.BoundedSemaphore(max_concurrent)
     limiter = _RateLimiter(rate_per_s, burst)
-    counters = {"requests": 0, "rejected_rate": 0, "rejected_busy": 0, "errors": 0}
+    counters = {"requests": 0, "rejected_rate": 0, "rejected_busy": 0, "errors": 0, "rejected_operator": 0}
+    jobs = JobTable(keep=keep_jobs)
+    limits = backend.generate_limits()
+    Generate = generate_request_model({m: int(v["max"]) for m, v in limits.items()})
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=MAX_BODY_BYTES)
 
@@ -152,8 +268,12 @@ def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: floa
     async def validation_error(request: Request, exc: RequestValidationError):
         return JSONResponse({"detail": _validation_detail(exc)}, status_code=422)
 
+    @app.exception_handler(_Invalid)
+    async def invalid(request: Request, exc: _Invalid):
+        return JSONResponse({"detail": [{"type": "value_error", "loc": ["body"], "msg": str(exc)}]}, status_code=422)
+
     @app.middleware("http")
-    async def limits(request: Request, call_next):
+    async def caps(request: Request, call_next):
         counters["requests"] += 1
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
@@ -162,8 +282,17 @@ def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: floa
             client = request.client.host if request.client else "?"
             if not limiter.allow(client):
                 counters["rejected_rate"] += 1
-                return JSONResponse({"detail": "rate limit exceeded; slow down"}, status_code=429)
+                return JSONResponse({"detail": "rate limit exceeded; slow down"}, status_code=429,
+                                    headers={"Retry-After": "1"})
         return await call_next(request)
+
+    def operator(request: Request) -> None:
+        """Dependency of operator routes: local clients, or the operator token (operator.py)."""
+        refusal = operator_refusal(request.client.host if request.client else None,
+                                   request.headers.get("authorization"), operator_token)
+        if refusal is not None:
+            counters["rejected_operator"] += 1
+            raise HTTPException(refusal.status, refusal.detail, headers=refusal.headers or None)
 
     def run_heavy(fn):
         if not heavy.acquire(blocking=False):
@@ -172,31 +301,55 @@ def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: floa
         try:
             return fn()
         except RequestRefused as e:
-            raise HTTPException(e.status, e.detail) from None
+            raise HTTPException(e.status if e.status in (400, 503) else 503, e.detail) from None
         except (ValueError, LookupError) as e:
-            raise HTTPException(422, str(e)) from None
+            raise _Invalid(str(e)) from None
         except (TimeoutError, ConnectionError, RuntimeError) as e:
             counters["errors"] += 1
             raise HTTPException(503, f"the network could not serve this request: {e}") from None
         finally:
             heavy.release()
 
-    @app.post("/v1/generate", response_model=GenerateResponse, summary="Generate text through the chain")
-    def generate(req: GenerateRequest):
-        return run_heavy(lambda: backend.generate(req.prompt.encode("utf-8"), req.max_bytes, req.mode,
-                                                  req.seed, req.temperature))
+    @app.post("/v1/generate", response_model=GenerateResponse, summary="Generate text through the chain",
+              responses=_documented(*BODY_ROUTE))
+    def generate(req: Generate):
+        n = req.max_bytes if req.max_bytes is not None else int(limits[req.mode]["default"])
+        return run_heavy(lambda: backend.generate(req.prompt.encode("utf-8"), n, req.mode, req.seed,
+                                                  req.temperature))
 
-    @app.post("/v1/score", response_model=ScoreResponse, summary="Held-out nats/byte of a text")
+    @app.post("/v1/score", response_model=ScoreResponse, summary="Held-out nats/byte of a text",
+              responses=_documented(*BODY_ROUTE))
     def score(req: ScoreRequest):
         return run_heavy(lambda: backend.score(req.text.encode("utf-8"), req.k))
 
-    @app.post("/v1/eval", summary="Measure held-out chain CE through the network now")
-    def evaluate():
-        return run_heavy(backend.evaluate)
+    def start_job(kind: str, fn) -> JSONResponse:
+        job, _started = jobs.start(kind, fn)
+        body = job.to_dict()
+        return JSONResponse(body, status_code=202, headers={"Location": body["poll"]})
 
-    @app.post("/v1/average", summary="Run one averaging round with same-block peers now")
+    job_doc = ("Answers at once (202) with a job; poll GET /v1/jobs/{job_id}. While a job of this kind "
+               "runs, asking again answers with that job.")
+
+    @app.post("/v1/eval", summary="Start a held-out chain CE measurement through the network (operator)",
+              description=job_doc, status_code=202, response_model=JobStatus, dependencies=[Depends(operator)],
+              responses=_documented(*OPERATOR_ROUTE), openapi_extra=OPERATOR_SECURITY)
+    def evaluate():
+        return start_job("eval", backend.evaluate)
+
+    @app.post("/v1/average", summary="Start one averaging round with same-block peers (operator)",
+              description=job_doc + " The result is the round's verdict: accepted, reason, relative_change.",
+              status_code=202, response_model=JobStatus, dependencies=[Depends(operator)],
+              responses=_documented(*OPERATOR_ROUTE), openapi_extra=OPERATOR_SECURITY)
     def average():
-        return run_heavy(backend.average_now)
+        return start_job("average", backend.average_now)
+
+    @app.get("/v1/jobs/{job_id}", response_model=JobStatus, summary="An operator job: running, done or failed",
+             responses=_documented(404, 422))
+    def job(job_id: str = Path(..., pattern=JOB_ID_PATTERN, description="From the 202 of the action.")):
+        found = jobs.get(job_id)
+        if found is None:
+            raise HTTPException(404, f"no job {job_id} (unknown, or older than the last {keep_jobs})")
+        return found.to_dict()
 
     @app.get("/v1/status", summary="Run, blocks, holders, steps, losses, averaging rounds")
     def status():
@@ -210,6 +363,17 @@ def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: floa
             lines.append(f"# TYPE blocktrain_{name} {'counter' if name.endswith('_total') else 'gauge'}")
             lines.append(f"blocktrain_{name} {float(v)!r}")
         return "\n".join(lines) + "\n"
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = FastAPI.openapi(app)
+            schema.setdefault("components", {}).setdefault("securitySchemes", {})["operator_token"] = {
+                "type": "http", "scheme": "bearer",
+                "description": "The node's --operator-token-file; not needed from 127.0.0.1 / ::1."}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     if static_dir is not None:
         from fastapi.staticfiles import StaticFiles

@@ -16,10 +16,14 @@ def static_dir() -> str | None:
 
 
 class HttpServer:
-    def __init__(self, backend, host: str, port: int):
-        app = create_app(backend, static_dir=static_dir())
+    def __init__(self, backend, host: str, port: int, operator_token: bytes | None = None):
+        app = create_app(backend, static_dir=static_dir(), operator_token=operator_token)
+        # X-Forwarded-For is believed from a proxy on 127.0.0.1 only: the client behind such a proxy
+        # is then who operator.py judges (remote, unless it sends the token), and nobody else can
+        # claim an address they do not connect from
         self.config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
-                                     timeout_graceful_shutdown=3, limit_concurrency=64)
+                                     timeout_graceful_shutdown=3, limit_concurrency=64,
+                                     proxy_headers=True, forwarded_allow_ips="127.0.0.1")
         self.server = uvicorn.Server(self.config)
         self.thread = threading.Thread(target=self.server.run, name="bt-http", daemon=True)
 

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from blocktrain.node.http.jobs import run_job
 from blocktrain.node.swarm.launcher import LocalSwarm, NodeProc, free_port
 
 from test_utils.wire_procs import JsonLinesProc
@@ -23,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 # small enough that several node processes start and train on a loaded 2-core machine
 TINY = ["d_model=32", "n_heads=2", "layers_per_block=1", "n_blocks=2", "seq_len=32", "target_dim=16",
         "batch_size=4", "warmup_steps=0", "lr=0.002"]
-# averaging only when a test asks (POST /v1/average), so tests control every round
+# averaging only when a test asks (POST /v1/average, a job), so tests control every round
 MANUAL_AVG = ["--average-every", "1000000", "--average-period", "1000000"]
 
 
@@ -90,14 +91,21 @@ def kill9(node: NodeProc) -> float:
     return t
 
 
+def operator_action(node: NodeProc, path: str, timeout: float = 90.0) -> dict:
+    """POST an operator action (/v1/average, /v1/eval) from 127.0.0.1 and wait for its job; the
+    action's result, or {'error': ...} when the job failed."""
+    job = run_job(node.url, path, timeout=timeout, poll_s=0.1)   # back-to-back rounds, as when the POST held them
+    return job["result"] if job["status"] == "done" else {"error": "job failed", "detail": job["error"]}
+
+
 def average_together(nodes: list[NodeProc], timeout: float = 90.0) -> dict[str, dict]:
-    """POST /v1/average on every node at once; {node name: verdict json or {'error': ...}}."""
+    """An averaging round (POST /v1/average, then its job) on every node at once; {node name:
+    verdict or {'error': ...}}."""
     out: dict[str, dict] = {}
 
     def one(n: NodeProc) -> None:
         try:
-            r = n.post("/v1/average", {}, timeout=timeout)
-            out[n.name] = r.json() if r.status_code == 200 else {"error": r.status_code, "detail": r.text[:300]}
+            out[n.name] = operator_action(n, "/v1/average", timeout)
         except Exception as e:
             out[n.name] = {"error": type(e).__name__, "detail": str(e)[:300]}
 

@@ -102,6 +102,11 @@ class PaperObjective(Objective):
         hop = self.make_hop(block, b)
         return mean_ce(ask_logits(hop, HopRequest(z * sigma.view(-1, 1, 1), ctx, sigma, sigma), b).logits, y)
 
+    def generate_limit(self, mode: str) -> int:
+        """One sweep writes the whole continuation into one window: at most seq_len - 1 bytes."""
+        limit = super().generate_limit(mode)
+        return min(limit, self.cfg.seq_len - 1) if mode == "one_sweep" else limit
+
     @torch.no_grad()
     def generate_one_sweep(self, hops, prompt, n_bytes, *, temperature=0.0, generator=None) -> bytes:
         return generate_in_one_traversal(

@@ -28,6 +28,7 @@
   };
   let lastStatus = null;
   let maxBytesTouched = false;
+  let limits = null;         // per mode {max, default}: the most bytes it emits for this run (/v1/status run.generate)
 
   function resetHistory(key) {
     hist.key = key;
@@ -133,13 +134,22 @@
     setText("run-objective", run.objective);
     setText("run-data", run.data);
     setText("run-protocol", run.protocol);
-    if (Number.isFinite(run.seq_len) && run.seq_len > 1) {
-      const cap = run.seq_len - 1;
-      setText("max-hint", "One sweep emits at most seq_len\u22121 = " + cap +
-              " bytes; autoregressive up to 1024.");
-      const input = $("max-bytes");
-      if (!maxBytesTouched && Number(input.value) > cap) input.value = String(cap);
-    }
+    limits = run.generate || null;
+    renderLimits();
+  }
+
+  function renderLimits() {
+    const mode = $("mode").value;
+    const lim = limits && limits[mode];
+    if (!lim || !Number.isFinite(lim.max)) return;
+    const other = mode === "one_sweep" ? "autoregressive" : "one_sweep";
+    const olim = limits[other];
+    setText("max-hint", (mode === "one_sweep" ? "One sweep" : "Autoregressive") + " emits at most " + lim.max +
+            " bytes for this run (empty: " + lim.default + ")" +
+            (olim && Number.isFinite(olim.max) ? "; " + other.replace("_", " ") + " up to " + olim.max + "." : "."));
+    const input = $("max-bytes");
+    input.max = String(lim.max);
+    if (!maxBytesTouched && input.value !== "" && Number(input.value) > lim.max) input.value = String(lim.max);
   }
 
   function renderSelf(s) {
@@ -538,9 +548,11 @@
     const prompt = $("prompt").value;
     const maxBytes = Number($("max-bytes").value);
     const temp = Number($("temperature").value || 0);
-    const body = { prompt: prompt, mode: $("mode").value,
-                   max_bytes: Number.isFinite(maxBytes) ? Math.trunc(maxBytes) : $("max-bytes").value,
-                   temperature: Number.isFinite(temp) ? temp : 0 };
+    const body = { prompt: prompt, mode: $("mode").value, temperature: Number.isFinite(temp) ? temp : 0 };
+    const rawMax = $("max-bytes").value.trim();
+    if (rawMax !== "") {   // empty: the node's default for this run and mode
+      body.max_bytes = Number.isFinite(maxBytes) ? Math.trunc(maxBytes) : rawMax;
+    }
     btn.disabled = true;
     btn.textContent = "Generating\u2026";
     $("gen-out").setAttribute("aria-busy", "true");
@@ -590,6 +602,7 @@
   function start() {
     $("gen-form").addEventListener("submit", onGenerate);
     $("max-bytes").addEventListener("input", () => { maxBytesTouched = true; });
+    $("mode").addEventListener("change", renderLimits);
     let resizeTimer = null;
     window.addEventListener("resize", () => {
       clearTimeout(resizeTimer);
