@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_utils.netns import STATE_DIR, NamespacesUnavailable, NetLab, check_namespaces_work, namespaces, sh
+from test_utils.netns import STATE_DIR, NetLab, namespaces, sh, skip_without_namespaces
 from test_utils.reliability import report, wait_for
 
 pytestmark = [pytest.mark.network]
@@ -23,10 +23,7 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module", autouse=True)
 def _namespaces_or_skip():
-    try:
-        check_namespaces_work()
-    except NamespacesUnavailable as e:
-        pytest.skip(str(e))
+    skip_without_namespaces()
 
 
 def _pid_alive(pid: int) -> bool:

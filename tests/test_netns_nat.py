@@ -19,10 +19,9 @@ import time
 
 import pytest
 
-from test_utils.configs import TEST_CORPUS
-from test_utils.netns import NamespacesUnavailable, NetLab, check_namespaces_work
+from test_utils.netns import NetLab, skip_without_namespaces
 from test_utils.ns_nodes import route_of, start_join, start_seed
-from test_utils.reliability import MANUAL_AVG, TINY, average_until_accepted, report, wait_for
+from test_utils.reliability import TINY, average_until_accepted, report, wait_for
 
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -33,23 +32,19 @@ RELAY_WAIT_S = 420   # libp2p's autorelay waits ~3 min before reserving with few
 
 @pytest.fixture(scope="module")
 def nat_net(tmp_path_factory):
-    try:
-        check_namespaces_work()
-    except NamespacesUnavailable as e:
-        pytest.skip(str(e))
+    skip_without_namespaces()
     base = tmp_path_factory.mktemp("nsnat")
-    extra = ["--device", "cpu", *MANUAL_AVG, "--checkpoint-every", "1000"]
     nodes = {}
     with NetLab(rate_mbit=20) as lab:
         try:
             h0, h1, h2, m = lab.host("h0"), lab.host("h1"), lab.host("h2"), lab.nat_host("nat")
-            seed = nodes["h0"] = start_seed(h0, base, RUN, [*TINY, "n_blocks=2"], str(TEST_CORPUS), extra)
-            nodes["h1"] = start_join(h1, base, seed, RUN, str(TEST_CORPUS), extra, block=0)
-            nodes["h2"] = start_join(h2, base, seed, RUN, str(TEST_CORPUS), extra, block=1)
+            seed = nodes["h0"] = start_seed(h0, base, RUN, [*TINY, "n_blocks=2"])
+            nodes["h1"] = start_join(h1, base, seed, RUN, block=0)
+            nodes["h2"] = start_join(h2, base, seed, RUN, block=1)
             for n in nodes.values():
                 n.wait_ready(timeout=240)
             t_start = time.monotonic()
-            nodes["nat"] = start_join(m, base, seed, RUN, str(TEST_CORPUS), extra)   # no --block, no network flag
+            nodes["nat"] = start_join(m, base, seed, RUN)   # no --block, no network flag
             nodes["nat"].wait_ready(timeout=240)
             yield lab, nodes, t_start
         finally:
@@ -70,6 +65,7 @@ def test_member_behind_nat_trains_averages_and_serves_through_a_relay(nat_net):
     seed, h2, nat = nodes["h0"], nodes["h2"], nodes["nat"]
     me = nat.status()["self"]
     assert me["block"] == 1, me   # the least-held block
+    assert nat.info["reachability"] != "public" and "Other peers cannot dial this node" in nat.tail(60), nat.tail()
     # really behind NAT: nothing outside can open a connection to its p2p port
     port = int(nat.info["maddrs"][0].split("/tcp/")[1].split("/")[0])
     assert not lab.can_connect(nodes["h1"].host, nat.host.addr, port)

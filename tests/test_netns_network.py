@@ -14,10 +14,9 @@ import time
 
 import pytest
 
-from test_utils.configs import TEST_CORPUS
-from test_utils.netns import NamespacesUnavailable, NetLab, check_namespaces_work, namespaces
+from test_utils.netns import NetLab, namespaces, skip_without_namespaces
 from test_utils.ns_nodes import route_of, start_join, start_seed
-from test_utils.reliability import MANUAL_AVG, TINY, average_until_accepted, report, wait_for
+from test_utils.reliability import TINY, average_until_accepted, report, wait_for
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -28,19 +27,15 @@ RATE_MBIT = 20
 
 @pytest.fixture(scope="module")
 def net(tmp_path_factory):
-    try:
-        check_namespaces_work()
-    except NamespacesUnavailable as e:
-        pytest.skip(str(e))
+    skip_without_namespaces()
     base = tmp_path_factory.mktemp("nshosts")
-    extra = ["--device", "cpu", *MANUAL_AVG, "--checkpoint-every", "1000"]
     nodes = {}
     with NetLab(rate_mbit=RATE_MBIT) as lab:
         try:
             hosts = {f"h{i}": lab.host(f"h{i}") for i in range(6)}
-            nodes["h0"] = start_seed(hosts["h0"], base, RUN, [*TINY, "n_blocks=4"], str(TEST_CORPUS), extra)
+            nodes["h0"] = start_seed(hosts["h0"], base, RUN, [*TINY, "n_blocks=4"])
             for name, b in BLOCKS.items():
-                nodes[name] = start_join(hosts[name], base, nodes["h0"], RUN, str(TEST_CORPUS), extra, block=b)
+                nodes[name] = start_join(hosts[name], base, nodes["h0"], RUN, block=b)
             for n in nodes.values():
                 n.wait_ready(timeout=240)
             yield lab, nodes

@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 STATE_DIR = Path(os.environ.get("BT_NETNS_STATE_DIR", "/run/bt-netns"))
@@ -100,6 +100,16 @@ def _remove_objects(state: dict) -> None:
         sh("ip", "link", "del", link, check=False)
 
 
+def _clean_run(state_file: Path) -> None:
+    """Remove what a dead run's state file lists, then the file (caller holds its lock)."""
+    try:
+        state = json.loads(state_file.read_text() or "{}")
+    except (OSError, ValueError):
+        state = {}
+    _remove_objects(state)
+    state_file.unlink(missing_ok=True)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -135,12 +145,7 @@ def sweep_stale() -> list[str]:
             if fd is None:
                 continue    # a live run
             try:
-                try:
-                    state = json.loads(f.read_text() or "{}")
-                except (OSError, ValueError):
-                    state = {}
-                _remove_objects(state)
-                f.unlink(missing_ok=True)
+                _clean_run(f)
                 swept.append(f.stem)
             finally:
                 os.close(fd)
@@ -164,6 +169,15 @@ class _global_lock:
 
     def __exit__(self, *exc):
         os.close(self.fd)
+
+
+def skip_without_namespaces() -> None:
+    """In a test: skip, with the kernel's reason, where network namespaces cannot be made."""
+    import pytest
+    try:
+        check_namespaces_work()
+    except NamespacesUnavailable as e:
+        pytest.skip(str(e))
 
 
 def check_namespaces_work() -> None:
@@ -191,7 +205,6 @@ class Host:
     router_ns: str | None = None
     public_addr: str | None = None   # behind NAT: the router's bridge address (what others see)
     alive: bool = True
-    extra_ns: list[str] = field(default_factory=list)
 
     def cmd(self, *args: str) -> list[str]:
         """``args`` run inside this host's namespace."""
@@ -422,12 +435,7 @@ def _reap(state_path: str) -> None:
         if not path.exists() or os.stat(path).st_ino != os.fstat(fd).st_ino:
             return   # closed cleanly
         with _global_lock():
-            try:
-                state = json.loads(path.read_text() or "{}")
-            except (OSError, ValueError):
-                state = {}
-            _remove_objects(state)
-            path.unlink(missing_ok=True)
+            _clean_run(path)
     finally:
         os.close(fd)
 

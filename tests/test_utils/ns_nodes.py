@@ -14,10 +14,15 @@ from pathlib import Path
 
 from blocktrain.node.swarm.launcher import NodeProc
 
+from test_utils.configs import TEST_CORPUS
 from test_utils.netns import Host
+from test_utils.reliability import MANUAL_AVG
 
 P2P_PORT = 31337
 HTTP_PORT = 8000
+#: every node of the namespace tests, public or behind NAT: CPU, averaging only when a test asks
+NODE_ARGS = ["--device", "cpu", *MANUAL_AVG, "--checkpoint-every", "1000"]
+DATA = str(TEST_CORPUS)
 
 
 class NsNode(NodeProc):
@@ -54,18 +59,19 @@ class NsNode(NodeProc):
         return r.json(), dt
 
 
-def start_seed(host: Host, workdir: Path, run_id: str, overrides: list[str], data: str, extra: list[str]) -> NsNode:
+def start_seed(host: Host, workdir: Path, run_id: str, overrides: list[str]) -> NsNode:
+    """Seed ``run_id`` (block 0) on ``host`` with the test corpus and NODE_ARGS; waits until ready."""
     sets = [x for kv in overrides for x in ("--set", kv)]
-    n = NsNode(host, host.name, ["seed", "--run-id", run_id, "--data", data, "--block", "0", *sets, *extra],
+    n = NsNode(host, host.name, ["seed", "--run-id", run_id, "--data", DATA, "--block", "0", *sets, *NODE_ARGS],
                workdir / host.name)
     n.start()
     n.wait_ready(timeout=180)
     return n
 
 
-def start_join(host: Host, workdir: Path, seed: NsNode, run_id: str, data: str, extra: list[str],
-               block: int | None = None) -> NsNode:
-    args = ["join", "--initial-peers", seed.maddr, "--run-id", run_id, "--data", data, *extra]
+def start_join(host: Host, workdir: Path, seed: NsNode, run_id: str, block: int | None = None) -> NsNode:
+    """Join through ``seed`` (its namespace address) with the same data and NODE_ARGS; not waited for."""
+    args = ["join", "--initial-peers", seed.maddr, "--run-id", run_id, "--data", DATA, *NODE_ARGS]
     if block is not None:
         args += ["--block", str(block)]
     n = NsNode(host, host.name, args, workdir / host.name)
