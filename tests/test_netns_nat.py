@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 RUN = "nsnat"
 TRAINING_ONLY = "training only (not reachable)"
-RELAY_WAIT_S = 420   # libp2p's autorelay waits ~3 min before reserving with fewer than 4 candidate relays
+RELAY_WAIT_S = 420   # libp2p's autorelay waits out a boot delay (~3.5 min here) when it knows few relays
 
 
 @pytest.fixture(scope="module")
