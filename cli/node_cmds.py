@@ -79,7 +79,7 @@ def _run_node(opts: NodeOptions, ready_file: str | None, quiet: bool, banner: st
         info = {"peer_id": me["peer_id"], "maddrs": me["maddrs"], "run_id": st.run["run_id"],
                 "run_address": st.run["address"], "block": me["block"],
                 "http_port": me["http_port"], "data": st.run["data"], "resumed": me["resumed"],
-                "downloaded_state": me["downloaded_state"]}
+                "downloaded_state": me["downloaded_state"], "reachability": me["reachability"]}
         if ready_file:
             tmp = Path(ready_file).with_suffix(".tmp")
             tmp.write_text(json.dumps(info) + "\n")
@@ -89,7 +89,12 @@ def _run_node(opts: NodeOptions, ready_file: str | None, quiet: bool, banner: st
         first = (info["maddrs"] or ["?"])[0]
         err_console.print(f"Run address: [bold]{info['run_address']}[/] (members who pass it believe only this "
                           "run's seeder)")
-        err_console.print(f"Others join with:\n  bt-node join --run {info['run_id']}@{first}")
+        if info["reachability"] == "public":
+            err_console.print(f"Others join with:\n  bt-node join --run {info['run_id']}@{first}")
+        else:
+            err_console.print(f"[yellow]Other peers cannot dial this node[/] (behind NAT or a firewall): it trains and "
+                              f"averages, and serves its block only through a relay ({info['reachability']}; "
+                              f"see /v1/status). Others should join through a reachable node.")
         if info["http_port"]:
             err_console.print(f"HTTP API and web page: http://{opts.http_host}:{info['http_port']}/")
         if quiet or not err_console.is_terminal:
@@ -229,6 +234,10 @@ def join(initial_peers, run_id, data, checkpoint_dir, block, device, host, port,
          http_host, average_every, average_period, checkpoint_every, max_steps, eval_every, sample_seed, ready_file, quiet,
          averaging_compression, inject_delay_ms, upstream_refresh):
     """Join a run: pick the least-held block, download its current state, train, average and serve.
+
+    A member nobody can dial (behind NAT) notices at join (its initial peers try to dial it back),
+    trains and averages all the same, and serves its block through a relay on a reachable peer once
+    libp2p holds one (a few minutes); until then it says "training only" and routers skip it.
 
     \b
     Examples:

@@ -27,6 +27,7 @@ from blocktrain.node.auth import RunAuth
 from blocktrain.node.averaging.rounds import BlockAverager
 from blocktrain.node.loops import Loop, Teardown
 from blocktrain.node.options import NodeOptions
+from blocktrain.node.reachability import Reachability
 from blocktrain.node.runs import member_data, published_data_spec, resolve_run
 from blocktrain.node.routing.bans import PeerBans
 from blocktrain.node.routing.hops import serve_local
@@ -92,8 +93,11 @@ class Node:
         announce = [f"/ip4/{o.announce_host}/tcp/{o.port}"] if o.announce_host and o.port else None
         self.discovery = Discovery.start(identity=identity, initial_peers=o.initial_peers,
                                          host_maddrs=[f"/ip4/{o.host}/tcp/{o.port}"], announce_maddrs=announce,
-                                         run_ids=[o.run_id] if o.run_id else [], ttl=o.ttl, **dht_extra)
+                                         run_ids=[o.run_id] if o.run_id else [], ttl=o.ttl,
+                                         reachability="auto", **dht_extra)
         td.push("discovery", lambda: self.discovery.shutdown(withdraw=False))
+        # nobody can dial us? then serve through a relay, or train without serving (node/reachability.py)
+        self.reach = Reachability(self.discovery, lambda: self.discovery.list_holders(self.run_id))
         self.peer_id = self.discovery.peer_id
         self.auth = dataclasses.replace(self.auth, self_peer=self.peer_id)
         self.loop = LoopThread(name=f"bt-node-{self.peer_id[-6:]}")
@@ -125,6 +129,8 @@ class Node:
             self._start_loop("upstream", lambda stop: self.upstream.run(stop, self.refresh_upstream))
         if o.eval_every:
             self._start_loop("eval", self._eval)
+        if self.reach.private:
+            self._start_loop("reachability", self.reach.run)
         return self
 
     def _start_loop(self, name: str, body) -> None:
@@ -239,10 +245,10 @@ class Node:
         t = self.trainer
         return BlockAnnouncement(
             peer_id=self.peer_id, block_index=self.block_index, state=self.state, step=t.step,
-            samples_seen=t.samples_seen, throughput=float(t.throughput()), serving=True,
+            samples_seen=t.samples_seen, throughput=float(t.throughput()), serving=self.reach.serving,
             loss=_finite_or_none(t.recent_loss()),
             last_round_time=self.averager.stats.last_accepted_time if self.averager else None,
-            addresses=self.discovery.visible_maddrs()[:4], software_version=SOFTWARE_VERSION,
+            addresses=self.reach.addresses()[:4], software_version=SOFTWARE_VERSION,
             config_hash=self.cfg.config_hash, run_id=self.run_id)
 
     # -- loops ----------------------------------------------------------------------------------

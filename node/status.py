@@ -63,6 +63,7 @@ def build_status(node) -> NodeStatus:
               "maddrs": node.discovery.visible_maddrs(), "uptime_s": time.time() - node.started_at,
               "resumed": node.resumed, "downloaded_state": node.downloaded is not None,
               "http_port": node.http.port if node.http is not None else None,
+              "reachability": node.reach.state,
               "upstream": node.upstream.status() if node.upstream is not None else None},
         blocks=blocks,
         losses=[[round(ts, 3), st, round(lo, 5)] for ts, st, lo in list(t.losses)[-200:]],

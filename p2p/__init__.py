@@ -7,6 +7,7 @@ Modules, one concern each:
 * ``records``    pydantic models ``RunManifest``, ``BlockAnnouncement``
 * ``dht_schema`` DHT keys/subkeys and the strict schemas every node enforces (``make_validators``)
 * ``discovery``  ``Discovery``: start/join the DHT, manifest, announce/withdraw, holders
+* ``reachability`` the dial-back check (can peers dial us?) and the client-mode/relay options that follow
 * ``hops``       hop request/response types, ``HopLimits`` and request validation
 * ``tensors``    strict tensor codec and streaming reassembly
 * ``rpc_server`` ``BlockRPCServer`` / ``BlockService`` (hivemind ServicerBase, one namespace per block)

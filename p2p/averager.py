@@ -189,7 +189,9 @@ class BlockAveragerHandle:
             averaged_tensors=[t.detach().to("cpu").clone() for t in tensors], dht=dht, start=False,
             prefix=prefix, target_group_size=target_group_size, min_group_size=2,
             min_matchmaking_time=matchmaking_time, request_timeout=max(1.0, matchmaking_time / 2),
-            compression=make_compression(compression), allow_state_sharing=True, next_chunk_timeout=10.0,
+            # a DHT in client mode (a member nobody can dial) makes hivemind's averager a client too:
+            # it joins groups others lead and cannot share its state
+            compression=make_compression(compression), allow_state_sharing=not dht.client_mode, next_chunk_timeout=10.0,
             sender_timeout=5.0, reducer_timeout=10.0, allreduce_timeout=allreduce_timeout)
         self.averager.bt_state = state
         self.averager.bt_authorize = authorize

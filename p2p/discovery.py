@@ -34,6 +34,9 @@ from blocktrain.p2p.errors import (
     RecordError, RunNotFoundError,
 )
 from blocktrain.p2p.identity import NodeIdentity
+from blocktrain.p2p.reachability import (
+    all_loopback, ask_relayed, circuit_addrs, learn_relayed, private_dht_options, probe_reachability, serve_dial_back,
+)
 from blocktrain.p2p.records import PROTOCOL_VERSION, BlockAnnouncement, RunManifest, validate_run_id
 
 __all__ = [
@@ -48,6 +51,7 @@ DEFAULT_TTL = 30.0  # seconds an announcement lives without refresh
 MANIFEST_TTL = 24 * 3600.0
 TOMBSTONE_DELAY = 1e-3  # a tombstone expires this long after the record it replaces
 DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+MAX_RELAYS_ASKED = 6   # relays a private node asks per check whether they carry dials to it
 
 AnnGetter = Callable[[], BlockAnnouncement | Sequence[BlockAnnouncement] | None]
 
@@ -81,6 +85,9 @@ class Discovery:
         self._announce_task: asyncio.Task[None] | None = None
         self._owned_identity: NodeIdentity | None = None
         self._closed = False
+        self.reachability = "client" if dht.client_mode else "public"   # start() may say "private"
+        self.relays: list[str] = []     # private: its initial peers, trusted relays of its autorelay
+        self.live_relays: list[str] = []   # private: the relays its last check found carrying dials to it
 
     # -- lifecycle --------------------------------------------------------------------------
     @classmethod
@@ -95,6 +102,7 @@ class Discovery:
         run_ids: Iterable[str] = (),
         ttl: float = DEFAULT_TTL,
         startup_timeout: float = 60.0,
+        reachability: str = "assume-public",
         **dht_kwargs: Any,
     ) -> "Discovery":
         """Start a DHT node (a new network if ``initial_peers`` is empty, else join through them).
@@ -103,11 +111,22 @@ class Discovery:
         is made (so the PeerID still matches the signing key, which readers check).
         ``run_ids`` are the runs whose record schemas this node enforces from the start (more can
         be added later; every method taking a run id follows that run automatically).
+        ``reachability="auto"``: first ask the initial peers to dial this node back (p2p/reachability.py);
+        if none can, start as a *private* node (DHT/averager client mode, autorelay through the initial
+        peers) and set ``self.reachability = "private"``. Public nodes answer others' dial-back requests.
         """
         peers = parse_initial_peers(list(initial_peers))
         hosts = [parse_multiaddr(m) for m in host_maddrs]
         announce = [parse_multiaddr(m, allow_port_zero=False) for m in announce_maddrs] if announce_maddrs else None
         runs = [validate_run_id(r) for r in run_ids]
+        if reachability not in ("auto", "assume-public"):
+            raise ValueError(f"reachability must be 'auto' or 'assume-public', got {reachability!r}")
+        private = False
+        if reachability == "auto" and peers and not client_mode and not all_loopback([*hosts, *peers]):
+            reachable, hosts = asyncio.run(probe_reachability(peers, hosts, announce))
+            private = reachable is False
+            if reachable is None:
+                logger.warning("no initial peer could check whether others can dial this node; assuming they can")
         owned = identity is None
         ident = NodeIdentity.ephemeral() if identity is None else identity
         key = ident.record_key
@@ -117,6 +136,9 @@ class Discovery:
             kwargs.setdefault("check_if_identity_free", False)
         if announce:
             kwargs["announce_maddrs"] = announce
+        if private:
+            kwargs.update(private_dht_options(peers))
+            client_mode = kwargs.pop("client_mode")
         dht = DHT(
             initial_peers=peers or None,
             start=False,
@@ -147,6 +169,10 @@ class Discovery:
             self.shutdown(withdraw=False)
             raise IdentityError(f"the DHT runs as {self.peer_id} but identity {ident.identity_path} is {ident.peer_id}")
         self._followed.update(runs)
+        if private:
+            self.reachability, self.relays = "private", list(peers)
+        elif not client_mode:
+            dht.run_coroutine(serve_dial_back)
         return self
 
     def shutdown(self, *, withdraw: bool = True) -> None:
@@ -195,6 +221,23 @@ class Discovery:
     def visible_maddrs(self) -> list[str]:
         """Multiaddrs (with /p2p/<peer id>) other nodes can use as initial peers."""
         return self._sync(self.avisible_maddrs(), "visible_maddrs")
+
+    def relay_addresses(self) -> list[str]:
+        """A private node's circuit addresses, through the relays its last check found carrying
+        dials to it; empty for a public node."""
+        return circuit_addrs(self.live_relays, self.peer_id)
+
+    def check_relayed(self, candidates: Sequence[str] = ()) -> list[str]:
+        """A private node: which relays (its initial peers, then ``candidates``: multiaddrs with
+        /p2p/ of public peers) carry a fresh dial to it now. Remembered for :meth:`relay_addresses`."""
+        if self.reachability != "private":
+            return []
+        relays = [r for r in dict.fromkeys([*self.relays, *candidates]) if "/p2p-circuit" not in r][:MAX_RELAYS_ASKED]
+        self.live_relays = list(self._sync(self._acheck_relayed(relays), "check_relayed"))
+        return list(self.live_relays)
+
+    async def _acheck_relayed(self, relays: list[str]) -> list[str]:
+        return await self.dht.run_coroutine(partial(ask_relayed, relays=relays), return_future=True)
 
     # -- manifest ---------------------------------------------------------------------------
     async def apublish_manifest(self, manifest: RunManifest, *, ttl: float = MANIFEST_TTL) -> None:
@@ -397,7 +440,12 @@ class Discovery:
         await self.afollow_run(run_id)
         expected = await self._aexpected_hash(run_id, config_hash)
         found = await self.dht.get(blocks_key(run_id), latest=True, return_future=True)
-        return parse_holders(run_id, found, expected)
+        holders = parse_holders(run_id, found, expected)
+        relayed = {a.peer_id: a.addresses for anns in holders.values() for a in anns
+                   if a.peer_id != self.peer_id and any("/p2p-circuit/" in m for m in a.addresses)}
+        if relayed:   # members behind NAT announce circuit addresses: let our daemon know them
+            await self.dht.run_coroutine(partial(learn_relayed, peers=relayed), return_future=True)
+        return holders
 
     def list_holders(self, run_id: str, config_hash: str | None = None) -> dict[int, list[BlockAnnouncement]]:
         """Live holders per block: signed by the peer they name, not tombstoned, state joining/online,

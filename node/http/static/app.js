@@ -172,6 +172,7 @@
     setText("self-uptime", fmtDuration(s.uptime_s));
     setText("self-origin", s.resumed ? "its checkpoint (resumed)"
             : s.downloaded_state ? "state downloaded from a peer" : "fresh initialisation");
+    setText("self-reach", s.reachability);
   }
 
   function renderAveraging(a, st) {
