@@ -9,6 +9,9 @@ Announcements: constant TTL (default 30 s), refreshed every TTL/3 by :meth:`star
 ``withdraw`` stores a tombstone (``None``, expiring just after the last announcement), and readers
 skip tombstones. Readers also drop any announcement whose ``peer_id`` is not the PeerID of the key
 that signed it, so a peer cannot advertise itself under someone else's id.
+
+(Over 400 lines on purpose: each operation is here twice, as a coroutine and as its blocking form,
+next to each other; what readers believe of raw records lives apart, in ``dht_schema``.)
 """
 from __future__ import annotations
 

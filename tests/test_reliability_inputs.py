@@ -4,6 +4,9 @@ serving. HTTP caps (413 body size, 503 concurrency, 429 rate) and memory under a
 Bad CLI flags exit 2 with a usage message; corrupt files give a message naming the file.
 
 One live node (a one-block run, so it serves generation alone) for the whole module.
+
+(Over 400 lines on purpose: every case shares that one live node, which takes most of the module's
+time to start; split into files, each would start its own.)
 """
 from __future__ import annotations
 

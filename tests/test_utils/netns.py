@@ -22,6 +22,9 @@ dies without closing (SIGKILL); and every new NetLab first sweeps state files wh
 (their owner is dead). Only the run's own namespaces, management links and state files are removed.
 
 Run as ``python tests/test_utils/netns.py --sweep`` to remove leftovers of dead runs by hand.
+
+(Over 400 lines on purpose: making and removing namespaces, links, rate limits and NAT rules belong
+together with the cleanup that must undo exactly them.)
 """
 from __future__ import annotations
 
