@@ -82,6 +82,7 @@ class PipelineEngine:
         self.traffic = traffic or PipelineTraffic()   # bytes: counted by the wire (client and server side)
         self.accepting = False          # set by the node once it is online (after a late join)
         self._held = 0                  # micro-batches this stage holds (loop thread only)
+        self._starved = False           # block 0 found no holder of block 1: the driver waits a while
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bt-pipe-compute")
 
     # -- compute (one thread, under the trainer's lock) ---------------------------------------------
@@ -189,6 +190,9 @@ class PipelineEngine:
 
     # -- a block-0 holder: read data, keep micro-batches in flight ------------------------------------
     async def _microbatch(self, windows: torch.Tensor) -> None:
+        if not self.last and not await self.next.any_holder(self.b + 1):
+            self._starved = True     # nobody to send to yet: nothing computed, nothing lost
+            return
         self.stats.add("started")
         self.stats.activity.change(inflight=1)
         try:
@@ -218,8 +222,9 @@ class PipelineEngine:
         slots = threading.BoundedSemaphore(self.settings.inflight)
         t = self.trainer
         while not stop.is_set():
-            if self.idle():
-                stop.wait(0.5)
+            if self.idle() or self._starved:
+                self._starved = False
+                stop.wait(0.5 if self.idle() else 1.0)
                 continue
             t0 = time.monotonic()
             while not slots.acquire(timeout=0.5):

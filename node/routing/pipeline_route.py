@@ -54,6 +54,10 @@ class NextStage:
         self.bans = bans or PeerBans(ban_seconds=10.0)
         self.on_event = on_event or (lambda _e: None)   # "retried", "busy", "failed_call"
 
+    async def any_holder(self, block: int) -> bool:
+        """Is any holder of ``block`` announced (and not banned)? Read from the DHT at most every few seconds."""
+        return any(p != self.self_peer and not self.bans.is_banned(p) for p in await self.holders(block, False))
+
     async def send(self, block: int, state: torch.Tensor, targets: torch.Tensor, deadline_s: float,
                    origin: str = "") -> StageResponse:
         """Carry (state, targets) to a holder of ``block``; its answer, or DownstreamFailed."""
