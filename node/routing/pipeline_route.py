@@ -52,7 +52,7 @@ class NextStage:
         self.self_peer, self.retries = self_peer, retries
         self.ranking = ranking or HolderRanking()
         self.bans = bans or PeerBans(ban_seconds=10.0)
-        self.on_event = on_event or (lambda _e: None)   # "retried", "busy", "failed_call"
+        self.on_event = on_event or (lambda _e: None)   # "retried", "busy", "failed_calls"
 
     async def any_holder(self, block: int) -> bool:
         """Is any holder of ``block`` announced (and not banned)? Read from the DHT at most every few seconds."""
@@ -95,14 +95,14 @@ class NextStage:
                     await asyncio.sleep(min(backoff, max(0.0, remaining / 4)))
                     backoff = min(1.0, backoff * 2)
                     continue
-                self.on_event("failed_call")
+                self.on_event("failed_calls")
                 if e.code not in ("downstream", "timeout"):   # the holder itself failed us
                     self.ranking.record_failure(peer, str(e))
                     self.bans.ban(peer, f"pipeline block {block}: {e}")
                 tried.add(peer)
             except HopTimeoutError as e:
                 last = f"{peer[-8:]}: {e}"[:300]
-                self.on_event("failed_call")
+                self.on_event("failed_calls")
                 self.ranking.record_failure(peer, "no answer in time")
                 self.bans.ban(peer, f"pipeline block {block}: {e}")
                 tried.add(peer)
