@@ -42,12 +42,13 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerE
 from hivemind.proto import runtime_pb2
 
 from blocktrain.p2p.errors import HopRequestError, HopTimeoutError, RemoteHopError
-from blocktrain.p2p.hops import decode_meta, error_response
+from blocktrain.p2p.hops import decode_meta
 from blocktrain.p2p.pipeline_wire import (
     PipelineLimits, StageRequest, StageResponse, activation_tensors, decode_request, decode_response,
     request_message, response_message, train_namespace,
 )
 from blocktrain.p2p.rpc_client import _raise_if_failed, _transport_error
+from blocktrain.p2p.rpc_server import failure_response, split_response
 from blocktrain.p2p.tensors import DEFAULT_CHUNK_BYTES, TensorAssembler, split_parts
 
 __all__ = ["PipelineService", "PipelineServer", "PipelineClient", "PipelineTraffic", "TrainHandler"]
@@ -151,18 +152,10 @@ class PipelineService(ServicerBase):
 
     def _failure(self, e: Exception, rid: str, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self.traffic.add(calls_in_refused=1)
-        if isinstance(e, HopRequestError):
-            logger.info("pipeline call from %s answered %s", context.remote_id, e)
-            return error_response(e.code, e.reason, rid)
-        logger.exception("unexpected failure serving a pipeline call from %s", context.remote_id)
-        return error_response("internal", f"{type(e).__name__}: {e}", rid)
+        return failure_response(e, rid, f"pipeline call from {context.remote_id}")
 
     def _split(self, response: runtime_pb2.ExpertResponse) -> list[runtime_pb2.ExpertResponse]:
-        parts = [p for pb in response.tensors for p in split_parts(pb, self.chunk_bytes)]
-        if not parts:
-            return [response]
-        return [runtime_pb2.ExpertResponse(metadata=response.metadata, tensors=[parts[0]]),
-                *(runtime_pb2.ExpertResponse(tensors=[p]) for p in parts[1:])]
+        return split_response(response, self.chunk_bytes)
 
 
 async def _drain(requests: AsyncIterator[runtime_pb2.ExpertRequest]) -> None:

@@ -13,7 +13,6 @@ test side, its gradients: ``test_utils/pipeline_probe.py``).
 """
 from __future__ import annotations
 
-import asyncio
 import sys
 
 import httpx
