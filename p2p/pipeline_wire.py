@@ -188,8 +188,9 @@ def decode_activation(pbs: list[runtime_pb2.Tensor], codec: str, meta: dict[str,
 def request_message(req: StageRequest) -> tuple[bytes, list[runtime_pb2.Tensor], int, int]:
     """(metadata, tensors, activation bytes, target bytes) of a request."""
     enc = encode_activation(req.state, req.codec)
-    targets = encode_tensor(req.targets.to(torch.uint8) if req.targets.numel() == 0 or
-                            int(req.targets.max()) < 256 else req.targets.to(torch.int64))
+    y = req.targets
+    as_bytes = y.numel() == 0 or (int(y.min()) >= 0 and int(y.max()) < 256)   # byte ids travel as uint8
+    targets = encode_tensor(y.to(torch.uint8) if as_bytes else y.to(torch.int64))
     meta = {"v": WIRE_VERSION, "request_id": req.request_id, "block_index": int(req.block_index),
             "mode": req.mode, "codec": req.codec, "deadline_s": float(req.deadline_s), **enc.meta}
     if req.origin:
