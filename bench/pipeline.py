@@ -20,8 +20,14 @@ before its first micro-batch). Then:
   hop's round trip gains 2 D) and ``--max-steps 0``, and a client generates ``gen_bytes`` bytes
   (``paper``: one sweep; the others one traversal per byte): traversals and wall time.
 
-The two references of issue 13 (the one-block model and the whole-size model trained in one
-process) are ``bench quality``'s; they are not repeated here. Figures: run it; none are recorded here.
+The two references of issue 13 are trained here too, each in a fresh process
+(``bench/pipeline_refs.py``): the whole-size model end to end on as many windows as the ``pipeline``
+network's block 0 sent (equal tokens), and the one-block model one worker trains alone in the same
+wall time; both scored on the same held-out windows, with their peak memory.
+
+Presets: the default (CPU, sized for a 2-core machine), ``tiny`` (seconds, for the test) and
+``h200`` (bf16 autocast on one CUDA device shared by every worker, sized for at most 8 minutes on
+one H200; its plan is :func:`plan_seconds`). Figures: run it; none are recorded here.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ from typing import Callable
 
 import torch
 
+from blocktrain.bench.pipeline_refs import train_reference
 from blocktrain.bench.swarm import _env, _metrics, init_blocks
 from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.config import ModelConfig
@@ -48,6 +55,9 @@ FULL_CONFIG = ["d_model=64", "n_heads=2", "layers_per_block=1", "n_blocks=4", "s
                "batch_size=8", "warmup_steps=20", "lr=0.002"]
 TINY_CONFIG = ["d_model=32", "n_heads=2", "layers_per_block=1", "n_blocks=2", "seq_len=32", "target_dim=8",
                "batch_size=4", "warmup_steps=2", "lr=0.002"]
+H200_CONFIG = ["d_model=512", "n_heads=8", "layers_per_block=2", "n_blocks=4", "seq_len=256", "target_dim=64",
+               "batch_size=16", "warmup_steps=50", "lr=0.002"]
+STARTUP_S, SCORE_S = 40.0, 15.0     # h200 plan: assumed start-up + shutdown of one network, scoring of one model
 
 
 @dataclass
@@ -56,22 +66,34 @@ class PipelineBenchSettings:
     plan: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 1, 2])     # block per worker
     objectives: list[str] = field(default_factory=lambda: ["pipeline", "forward-streamed", "paper"])
     train_s: float = 120.0
-    eval_windows: int = 64
+    eval_windows: int = 1024        # protocol v2: at least 1,024 fixed held-out windows
     gen_bytes: int = 256
     delay_ms: float = 25.0
     average_every: int = 10
     compression: str = "fp32"       # --pipeline-compression of every worker
     inflight: int = 4
     data: str = "auto"
+    device: str = "cpu"             # --device of every worker and of the references (cuda: bf16 autocast)
+    references: bool = True         # train the whole-size and one-block references (issue 13)
+    preset: str = "cpu"
 
     @classmethod
     def tiny(cls) -> "PipelineBenchSettings":
         return cls(overrides=list(TINY_CONFIG), plan=[0, 1, 1], train_s=10.0, eval_windows=8, gen_bytes=4,
-                   delay_ms=5.0, average_every=5)
+                   delay_ms=5.0, average_every=5, preset="tiny")
+
+    @classmethod
+    def h200(cls, device: str = "cuda") -> "PipelineBenchSettings":
+        """bf16 on one H200 (every worker on it), at most 8 minutes by :func:`plan_seconds`; 32 bytes served
+        (an autoregressive traversal costs 4 hops x 2 x 25 ms, whatever the device)."""
+        return cls(overrides=list(H200_CONFIG), train_s=30.0, eval_windows=1024, gen_bytes=32, delay_ms=25.0,
+                   average_every=20, compression="fp16", inflight=8, device=device, preset="h200")
 
     def validate(self, cfg: ModelConfig) -> None:
         if sorted(set(self.plan)) != list(range(cfg.n_blocks)):
             raise ValueError(f"the layout {self.plan} must hold every block of {cfg.n_blocks}")
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.train_s <= 0 or self.eval_windows < 1:
             raise ValueError("--train-seconds and --eval-windows must be positive")
         if "paper" in self.objectives and self.gen_bytes > cfg.seq_len - 1:
@@ -102,7 +124,7 @@ class _Network:
         self.objective, self.s, self.base = objective, s, base / _slug(objective)
         self.sets = [*s.overrides, f"objective={objective}"]
         self.cfg = ModelConfig.from_dict(typed_settings(self.sets), source="bench pipeline config")
-        extra = ["--device", "cpu", "--average-every", str(s.average_every), "--checkpoint-every", str(10**9),
+        extra = ["--device", s.device, "--average-every", str(s.average_every), "--checkpoint-every", str(10**9),
                  "--pipeline-inflight", str(s.inflight), "--pipeline-compression", s.compression]
         self.swarm = LocalSwarm(self.base, run_id=f"bench-{_slug(objective)}", overrides=self.sets, data=data_used,
                                 extra_args=extra)
@@ -149,6 +171,7 @@ class _Network:
             sent = int(m.get("pipeline_wire_bytes_sent_total", 0) + st["averaging"].get("bytes_sent", 0))
             workers.append({
                 "name": nd.name, "block": b, "steps": steps,
+                "windows": st["self"]["samples_seen"] - st0["self"]["samples_seen"],
                 "tokens": (st["self"]["samples_seen"] - st0["self"]["samples_seen"]) * T,
                 "bytes_sent": sent, "bytes_sent_per_step": sent / steps if steps else None,
                 "pipeline_bytes_sent": int(m.get("pipeline_wire_bytes_sent_total", 0)),
@@ -164,6 +187,7 @@ class _Network:
         steps = sum(w["steps"] for w in workers)
         return {"objective": self.objective, "workers": workers, "train_wall_s": round(seconds, 1),
                 "tokens_per_s_by_block": per_block, "tokens_per_s": min(per_block.values()),
+                "windows_block0": sum(w["windows"] for w in workers if w["block"] == 0),
                 "bytes_sent_total": total, "bytes_sent_per_worker_per_step": total / steps if steps else None,
                 "peak_rss_mib_max": max((w["peak_rss_mib"] or 0) for w in workers),
                 "stalled_s_total": sum(w["stalled_s"] or 0 for w in workers),
@@ -191,7 +215,7 @@ def _serve(cfg: ModelConfig, sets: list[str], chain_ckpts: list[str], s: Pipelin
     obj = get_objective(cfg)
     mode = "one_sweep" if obj.name == "paper" else "autoregressive"
     swarm = LocalSwarm(base, run_id=f"serve-{_slug(obj.name)}", overrides=sets, data=data_used,
-                       extra_args=["--device", "cpu", "--max-steps", "0", "--average-every", str(10**9),
+                       extra_args=["--device", s.device, "--max-steps", "0", "--average-every", str(10**9),
                                    "--average-period", "1e9", "--inject-delay-ms", repr(float(s.delay_ms))])
     for b, src in enumerate(chain_ckpts):
         d = base / f"node{b}" / "ckpt"
@@ -255,16 +279,45 @@ def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
                                   base / f"serve-{_slug(name)}", data_used, prompt)
             say(f"{name}: {r['serving']['traversals']} traversals, {r['serving']['latency_s']:.2f}s")
             runs[name] = r
+        refs = _references(s, base_cfg, data_used, windows, runs, say) if s.references else {}
     finally:
         if own_dir:
             shutil.rmtree(base, ignore_errors=True)
     return {"bench": "pipeline", "protocol": split.protocol, "data": data_used, "config": base_cfg.to_dict(),
-            "settings": asdict(s), "ln256": math.log(256), "runs": runs, "seconds": round(time.time() - t_start, 1),
+            "settings": asdict(s), "ln256": math.log(256), "runs": runs, "references": refs, "seconds": round(time.time() - t_start, 1),
             "method": ("equal wall time per objective from the moment all workers are up; chain CE offline from the "
                        "workers' final checkpoints on the same held-out windows, mean over replica chains; tokens/s: "
                        "the slowest block's; bytes: pipeline RPC and averaging messages each worker sent (protobuf "
                        "payloads; libp2p framing not included); memory: node process VmHWM; serving: one holder per "
                        "block with --inject-delay-ms, one generation after a 1-byte warm-up")}
+
+
+def _references(s: PipelineBenchSettings, cfg: ModelConfig, data_used: str, windows: torch.Tensor, runs: dict,
+                say: Callable[[str], None]) -> dict:
+    """Whole-size model end to end at the ``pipeline`` network's tokens (else the first run's); one-block model
+    alone for the same wall time. Each in a fresh one-thread process (see ``bench/pipeline_refs.py``)."""
+    src = "pipeline" if "pipeline" in runs else next(iter(runs))
+    n = max(1, runs[src]["windows_block0"])
+    say(f"references: whole-size model on {n} windows ({src}'s block 0), one-block model for {s.train_s:.0f}s")
+    whole = train_reference(cfg.to_dict(), data_used, cfg.reference_layers, windows, windows_n=n, device=s.device)
+    whole["tokens_matched_to"] = src
+    one = train_reference(cfg.to_dict(), data_used, cfg.layers_per_block, windows, seconds=s.train_s, device=s.device)
+    say(f"references: whole-size CE {whole['ce']:.4f} ({whole['steps']} steps), one-block CE {one['ce']:.4f} "
+        f"({one['steps']} steps)")
+    return {"whole": whole, "one_block": one}
+
+
+def plan_seconds(s: PipelineBenchSettings) -> dict:
+    """A preset's planned wall time: per objective start-up/shutdown + training + scoring + serving (measured
+    floor: traversals x hops x 2 x delay, plus a start-up), then both references (the whole-size one at most
+    ``train_s``: it runs at least as fast per window as the network it matches). Assumed constants above."""
+    cfg = ModelConfig.from_dict(typed_settings(list(s.overrides)), source="bench pipeline config")
+    per = {}
+    for o in s.objectives:
+        trav = 1 if o == "paper" else s.gen_bytes + 1
+        per[o] = STARTUP_S + s.train_s + SCORE_S + STARTUP_S + trav * cfg.n_blocks * 2 * s.delay_ms / 1000
+    refs = 2 * (s.train_s + SCORE_S) if s.references else 0.0
+    return {"per_objective_s": per, "references_s": refs, "total_s": sum(per.values()) + refs}
 
 
 def plot_pipeline(res: dict, path: str | Path) -> Path:
@@ -281,6 +334,13 @@ def plot_pipeline(res: dict, path: str | Path) -> Path:
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.6))
     for ax, (title, get) in zip(axes, panels):
         ax.bar(names, [get(res["runs"][n]) for n in names], color=[f"C{i}" for i in range(len(names))])
+        if ax is axes[0]:
+            for key, label, style in (("whole", "whole-size, end to end, equal tokens", "--"),
+                                      ("one_block", "one block alone, same wall time", ":")):
+                if key in res.get("references", {}):
+                    ax.axhline(res["references"][key]["ce"], color="k", ls=style, lw=1, label=label)
+            if res.get("references"):
+                ax.legend(fontsize=7, loc="lower right")
         ax.set_title(title, fontsize=9)
         ax.tick_params(axis="x", labelsize=8)
         ax.grid(axis="y", alpha=0.3)

@@ -23,6 +23,11 @@ def pipeline_table(res: dict) -> Table:
                   _f(r["peak_rss_mib_max"], ".0f"), _f(r["stalled_s_total"], ".1f"),
                   f"{r['microbatches_lost']} / {r['microbatches_completed']}", str(sv["traversals"]),
                   _f(sv["latency_s"], ".2f"))
+    for key, label in (("whole", "reference: whole-size, end to end"), ("one_block", "reference: one block alone")):
+        ref = res.get("references", {}).get(key)
+        if ref:
+            t.add_row(label, _f(ref["ce"]), "", _f(ref["tokens"] / max(ref["train_wall_s"], 1e-9), ".0f"), "0", "0",
+                      _f(ref["peak_rss_mib"], ".0f"), "", f"{ref['steps']} steps", "", "")
     t.caption = (f"protocol {res['protocol']}; serving at {s['delay_ms']:g} ms one-way per hop. {res['method']}.")
     return t
 
@@ -45,11 +50,18 @@ def pipeline_table(res: dict) -> Table:
               help="Write the bar chart here (PNG; needs matplotlib: the plots extra).")
 @click.option("--record", type=click.Path(dir_okay=False), default=None, help="Append the JSON result to this file.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Keep node directories here.")
-@click.option("--tiny", is_flag=True, help="A few seconds per objective, 3 workers over 2 blocks (for the test).")
+@click.option("--preset", type=click.Choice(["cpu", "tiny", "h200"]), default="cpu", show_default=True,
+              help="cpu: sized for a 2-core machine; tiny: a few seconds per objective, 3 workers over 2 blocks "
+                   "(for the test); h200: bf16 on one CUDA device, planned for at most 8 minutes on one H200.")
+@click.option("--tiny", is_flag=True, help="Same as --preset tiny.")
+@click.option("--device", default=None, help="Device of every worker and reference: cpu, cuda, cuda:N "
+                                             "(default: cpu; --preset h200: cuda).")
+@click.option("--no-references", is_flag=True, help="Skip the whole-size and one-block reference models.")
+@click.option("--plan", "plan_only", is_flag=True, help="Print the preset's planned wall time and exit.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def bench_pipeline_cmd(train_seconds, objectives, layout, compression, gen_bytes, delay_ms, overrides, data, plot,
-                       record, workdir, tiny, as_json):
+                       record, workdir, preset, tiny, device, no_references, plan_only, as_json):
     """pipeline and forward-streamed vs paper: real node processes, the same wall time each.
 
     \b
@@ -60,14 +72,19 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, gen_bytes
     Example:
       bt-node bench pipeline --plot docs/bench_pipeline.png
     """
-    from blocktrain.bench.pipeline import PipelineBenchSettings, plot_pipeline, run_bench_pipeline   # imports hivemind
+    from blocktrain.bench.pipeline import (PipelineBenchSettings, plan_seconds, plot_pipeline,   # imports hivemind
+                                           run_bench_pipeline)
 
     if plot:
         try:
             import matplotlib  # noqa: F401   (checked before minutes of training, not after)
         except ImportError:
             raise click.UsageError("--plot needs matplotlib: pip install 'blocktrain[plots]'") from None
-    s = PipelineBenchSettings.tiny() if tiny else PipelineBenchSettings()
+    preset = "tiny" if tiny else preset
+    s = {"tiny": PipelineBenchSettings.tiny, "h200": PipelineBenchSettings.h200, "cpu": PipelineBenchSettings}[preset]()
+    if device is not None:
+        s.device = device
+    s.references = not no_references
     s.overrides += list(overrides)
     s.data = data
     for name, v in (("train_s", train_seconds), ("compression", compression), ("gen_bytes", gen_bytes),
@@ -82,6 +99,17 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, gen_bytes
         except ValueError:
             raise click.BadParameter(f"expected block numbers like 0,1,2,3,1,2, got {layout!r}",
                                      param_hint="--layout") from None
+    if plan_only:
+        plan = plan_seconds(s)
+        emit_json(plan) if as_json else click.echo(f"preset {s.preset}: about {plan['total_s'] / 60:.1f} min planned "
+                                                   f"({', '.join(f'{k} {v:.0f}s' for k, v in plan['per_objective_s'].items())}, "
+                                                   f"references {plan['references_s']:.0f}s)")
+        return
+    if s.device.startswith("cuda"):
+        import torch
+        if not torch.cuda.is_available():
+            raise click.UsageError(f"--device {s.device}: no CUDA device here (run --preset h200 on a GPU machine, "
+                                   "or --device cpu)")
     res = run_bench_pipeline(s, workdir=workdir, on_progress=_say(as_json))
     if plot:
         res["plot"] = str(plot_pipeline(res, plot))
