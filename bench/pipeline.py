@@ -57,6 +57,7 @@ TINY_CONFIG = ["d_model=32", "n_heads=2", "layers_per_block=1", "n_blocks=2", "s
                "batch_size=4", "warmup_steps=2", "lr=0.002"]
 H200_CONFIG = ["d_model=512", "n_heads=8", "layers_per_block=2", "n_blocks=4", "seq_len=256", "target_dim=64",
                "batch_size=16", "warmup_steps=50", "lr=0.002"]
+STOP_GRACE_S = 180.0               # seconds a training worker gets to leave gracefully (final checkpoint)
 STARTUP_S, SCORE_S = 40.0, 15.0     # h200 plan: assumed start-up + shutdown of one network, scoring of one model
 
 
@@ -151,7 +152,9 @@ class _Network:
         end, seconds = self._poll(), time.time() - t0
         mets = [_metrics(nd) for nd in self.swarm.nodes]
         mem = [_peak_rss_mib(nd.proc.pid) for nd in self.swarm.nodes]
-        self.swarm.stop_all()     # graceful: every worker writes its final checkpoint
+        # graceful: every worker writes its final checkpoint. A loaded 2-core machine can take over 40 s to
+        # finish the in-flight micro-batches and write it; a worker killed first leaves none (an error below)
+        self.swarm.stop_all(timeout=STOP_GRACE_S)
         return self._report(start, end, mets, mem, seconds)
 
     def _poll(self) -> list[dict]:
@@ -200,6 +203,9 @@ def _load_chains(cfg: ModelConfig, workers: list[dict]) -> list[list[torch.nn.Mo
     obj = get_objective(cfg)
     by_block: dict[int, list[torch.nn.Module]] = {}
     for w in workers:
+        if not (Path(w["ckpt"]) / ckpt.block_filename(w["block"])).exists():
+            raise RuntimeError(f"{w['name']} (block {w['block']}) left no final checkpoint: it did not exit within "
+                               f"{STOP_GRACE_S:.0f} s of SIGTERM and was killed")
         c = ckpt.load_block(Path(w["ckpt"]) / ckpt.block_filename(w["block"]), expected_config_hash=cfg.config_hash,
                             expected_block=w["block"])
         m = obj.build_block(w["block"])

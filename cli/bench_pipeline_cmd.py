@@ -1,6 +1,8 @@
 """bt-node bench pipeline: training along the chain vs block-local, at equal wall time (logic in bench/pipeline.py)."""
 from __future__ import annotations
 
+import signal
+
 import click
 from rich.table import Table
 
@@ -44,6 +46,8 @@ def pipeline_table(res: dict) -> Table:
                                                                               "(default 256; --tiny 4).")
 @click.option("--delay-ms", type=click.FloatRange(0, 1000), default=None,
               help="One-way delay per hop while serving (default 25; --tiny 5).")
+@click.option("--eval-windows", type=click.IntRange(1, 65536), default=None,
+              help="Held-out windows every chain and reference is scored on (default 1024; --tiny 8).")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override the model config.")
 @click.option("--data", default="auto", show_default=True)
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
@@ -60,7 +64,7 @@ def pipeline_table(res: dict) -> Table:
 @click.option("--plan", "plan_only", is_flag=True, help="Print the preset's planned wall time and exit.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_pipeline_cmd(train_seconds, objectives, layout, compression, gen_bytes, delay_ms, overrides, data, plot,
+def bench_pipeline_cmd(train_seconds, objectives, layout, compression, gen_bytes, delay_ms, eval_windows, overrides, data, plot,
                        record, workdir, preset, tiny, device, no_references, plan_only, as_json):
     """pipeline and forward-streamed vs paper: real node processes, the same wall time each.
 
@@ -88,7 +92,7 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, gen_bytes
     s.overrides += list(overrides)
     s.data = data
     for name, v in (("train_s", train_seconds), ("compression", compression), ("gen_bytes", gen_bytes),
-                    ("delay_ms", delay_ms)):
+                    ("delay_ms", delay_ms), ("eval_windows", eval_windows)):
         if v is not None:
             setattr(s, name, v)
     if objectives:
@@ -110,6 +114,9 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, gen_bytes
         if not torch.cuda.is_available():
             raise click.UsageError(f"--device {s.device}: no CUDA device here (run --preset h200 on a GPU machine, "
                                    "or --device cpu)")
+    def _stop(signum, _frame):   # SIGTERM (timeout, kill): unwind, so every network's finally stops its nodes
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, _stop)
     res = run_bench_pipeline(s, workdir=workdir, on_progress=_say(as_json))
     if plot:
         res["plot"] = str(plot_pipeline(res, plot))

@@ -50,13 +50,13 @@ def _run(args, timeout=540):
                           env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_h200_preset_is_planned_within_8_minutes():
     from blocktrain.bench.pipeline import PipelineBenchSettings, plan_seconds
     s = PipelineBenchSettings.h200()
     assert s.device == "cuda" and s.references and s.objectives == ["pipeline", "forward-streamed", "paper"]
     assert plan_seconds(s)["total_s"] <= 480
-    out = _run(["--preset", "h200", "--plan", "--json"], timeout=50)
+    out = _run(["--preset", "h200", "--plan", "--json"], timeout=240)   # the CLI imports hivemind: slow here
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout)["total_s"] == pytest.approx(plan_seconds(s)["total_s"])
 
