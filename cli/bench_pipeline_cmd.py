@@ -72,7 +72,9 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, gen_bytes
     Each objective's network (default 6 workers over 4 blocks, blocks 1 and 2 held twice) trains
     for the same wall time; then its chain CE (from the final checkpoints, same held-out windows),
     tokens/s, bytes sent, peak memory, stalled time, micro-batches lost, and the serving cost of
-    --gen-bytes bytes through one holder per block with --delay-ms per hop.
+    --gen-bytes bytes through one holder per block with --delay-ms per hop. Then the references,
+    each in its own process: the whole-size model end to end on as many windows as the pipeline
+    network's block 0 used, and the one-block model trained alone for the same wall time.
     Example:
       bt-node bench pipeline --plot docs/bench_pipeline.png
     """
