@@ -8,6 +8,9 @@ instead take as many steps as the chain's analytic training FLOPs buy them (a fr
 carried from round to round), which matters for objectives whose block step costs more than a
 plain forward+backward (chunked-masked's longer training window, forward-chained's upstream
 forwards).
+
+Chain-trained objectives (``pipeline``, ``forward-streamed``) take one step of all their blocks
+together per round, on one batch (``chain_train.chain_step``), as the network's engine does.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .budget import Budget
+from .chain_train import chain_step
 from .config import ModelConfig
 from .data import DataSplit
 from .windows import WindowSampler, eval_windows
@@ -116,7 +120,15 @@ class LocalRun:
         ))
 
     def round(self) -> None:
-        for tr in self.trainees:
+        first = 0
+        if not self.objective.block_local:   # chain-trained: one step of every block on one batch
+            blocks = self.trainees[:len(self.blocks)]
+            w = blocks[0].sampler.next_batch(self.cfg.batch_size).to(self.device)
+            stats = chain_step(self.objective, self.blocks, [tr.opt for tr in blocks], self.cfg, blocks[0].steps, w)
+            for tr, st in zip(blocks, stats):
+                tr.last, tr.steps = st, tr.steps + 1
+            first = len(self.blocks)
+        for tr in self.trainees[first:]:
             tr.credit += tr.steps_per_round
             n = int(tr.credit + 1e-9)
             tr.credit -= n

@@ -196,8 +196,9 @@ class LocalSwarm:
     def live(self) -> list[NodeProc]:
         return [n for n in self.nodes if n.alive]
 
-    def stop_all(self) -> None:
+    def stop_all(self, timeout: float = 40.0) -> None:
+        """SIGTERM every node at once, then each gets up to ``timeout`` s more to exit before SIGKILL."""
         for n in self.nodes:
             n.signal(signal.SIGTERM)
         for n in self.nodes:
-            n.stop()
+            n.stop(timeout)
