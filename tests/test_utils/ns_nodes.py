@@ -8,6 +8,7 @@ network flag at all, as a volunteer who just runs ``bt-node join`` would.
 """
 from __future__ import annotations
 
+import secrets
 import sys
 import time
 from pathlib import Path
@@ -28,9 +29,17 @@ DATA = str(TEST_CORPUS)
 class NsNode(NodeProc):
     def __init__(self, host: Host, name: str, args: list[str], workdir: Path):
         net = [] if host.nat else ["--host", host.addr, "--announce-host", host.addr, "--port", str(P2P_PORT)]
-        super().__init__(name, [*args, *net, "--http-host", host.mgmt_addr], workdir, HTTP_PORT,
-                         entry=host.cmd(sys.executable, "-m", "blocktrain.cli.main"))
+        # the driver reaches the API over the management link, not from the node's own machine, so
+        # operator actions (/v1/average) need the node's operator token
+        token = secrets.token_hex(16)
+        Path(workdir).mkdir(parents=True, exist_ok=True)
+        token_file = Path(workdir) / "operator-token"
+        token_file.write_text(token + "\n")
+        token_file.chmod(0o600)
+        super().__init__(name, [*args, *net, "--http-host", host.mgmt_addr, "--operator-token-file", str(token_file)],
+                         workdir, HTTP_PORT, entry=host.cmd(sys.executable, "-m", "blocktrain.cli.main"))
         self.host = host
+        self.operator_headers = {"Authorization": f"Bearer {token}"}
 
     @property
     def url(self) -> str:

@@ -92,9 +92,11 @@ def kill9(node: NodeProc) -> float:
 
 
 def operator_action(node: NodeProc, path: str, timeout: float = 90.0) -> dict:
-    """POST an operator action (/v1/average, /v1/eval) from 127.0.0.1 and wait for its job; the
-    action's result, or {'error': ...} when the job failed."""
-    job = run_job(node.url, path, timeout=timeout, poll_s=0.1)   # back-to-back rounds, as when the POST held them
+    """POST an operator action (/v1/average, /v1/eval) from 127.0.0.1 (or with the node's
+    ``operator_headers`` when it has them: a node reached from another machine) and wait for its job;
+    the action's result, or {'error': ...} when the job failed."""
+    job = run_job(node.url, path, timeout=timeout, poll_s=0.1,   # back-to-back rounds, as when the POST held them
+                  headers=getattr(node, "operator_headers", None))
     return job["result"] if job["status"] == "done" else {"error": "job failed", "detail": job["error"]}
 
 
