@@ -34,7 +34,7 @@ from blocktrain.p2p.errors import (
     RecordError, RunNotFoundError,
 )
 from blocktrain.p2p.identity import NodeIdentity, peer_id_from_public_key
-from blocktrain.p2p.process import StopsWithParent, stop_process
+from blocktrain.p2p.process import DroppingPipe, StopsWithParent, stop_process
 from blocktrain.p2p.records import PROTOCOL_VERSION, BlockAnnouncement, RunManifest, validate_run_id
 
 __all__ = [
@@ -64,9 +64,17 @@ async def _visible_maddrs(_dht: DHT, node: DHTNode) -> list[str]:
 
 class _NodeDHT(StopsWithParent, DHT):
     """hivemind's DHT process as a node's child (p2p/process.py): it ignores SIGINT/SIGTERM, starts
-    p2pd in its own session, and it and p2pd exit on their own when the node dies."""
+    p2pd in its own session, and it and p2pd exit on their own when the node dies. Requests from
+    processes that have exited are dropped (:class:`~blocktrain.p2p.process.DroppingPipe`)."""
 
     bt_spawns_daemons = True
+
+    def run(self) -> None:   # in the DHT process
+        self._inner_pipe = DroppingPipe(self._inner_pipe, "_bt_dropped")
+        super().run()
+
+    async def _bt_dropped(self) -> None:
+        return None
 
 
 DHT_SHUTDOWN_TIMEOUT = 2.0   # seconds the DHT process gets to stop (p2pd with it) before SIGKILL

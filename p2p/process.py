@@ -23,6 +23,8 @@ So, in this module (applied by :class:`~blocktrain.p2p.discovery.Discovery` and 
   stops it with SIGTERM when the DHT shuts down), with ``PR_SET_PDEATHSIG`` = SIGTERM, so it exits
   when the DHT process does (the DHT process's main thread, which forks it, lives as long as that
   process).
+* :class:`DroppingPipe`, the DHT process's request pipe: a request from a process that has exited
+  is dropped at once instead of stalling the DHT for 3 s (and past its stop deadline).
 * :func:`parent_death_preexec`, the same parent-death signal for any ``subprocess.Popen`` child
   (the local swarm's node processes).
 """
@@ -32,6 +34,7 @@ import asyncio
 import atexit
 import ctypes
 import functools
+import logging
 import os
 import signal
 import sys
@@ -40,7 +43,9 @@ import time
 import weakref
 from typing import Callable
 
-__all__ = ["StopsWithParent", "WATCH_INTERVAL", "detach_spawned_daemons", "parent_death_preexec",
+logger = logging.getLogger(__name__)
+
+__all__ = ["DroppingPipe", "StopsWithParent", "WATCH_INTERVAL", "detach_spawned_daemons", "parent_death_preexec",
            "set_parent_death_signal", "stop_process", "watch_parent"]
 
 WATCH_INTERVAL = 0.25    # seconds between a child's looks at its parent pid
@@ -147,6 +152,30 @@ class StopsWithParent:
         if self._bt_parent_pid is not None:
             enter_child(self._bt_parent_pid, spawns_daemons=self.bt_spawns_daemons)
         super().run()   # type: ignore[misc]
+
+
+class DroppingPipe:
+    """A hivemind child's end of its request pipe (the DHT process's ``_inner_pipe``). Each request
+    carries its reply channel as a file descriptor that the receiver fetches from the *sender's*
+    process; a request sent by a process that has exited since (the averager process, stopped a
+    moment before the DHT) cannot be read. hivemind then logs it and stalls its request loop for
+    ``wait_timeout`` (3 s), so the DHT missed its stop deadline and had to be killed. Such a request
+    is dropped at once instead (nobody waits for its answer): it reads as a call of ``no_op``, a
+    coroutine method of the child that does nothing."""
+
+    def __init__(self, conn, no_op: str):
+        self._conn = conn
+        self._no_op = no_op
+
+    def recv(self):
+        try:
+            return self._conn.recv()
+        except (OSError, ConnectionError) as e:
+            logger.info("dropped a request whose sender has exited: %s", e)
+            return (self._no_op, [], {})
+
+    def __getattr__(self, name):   # fileno, poll, close: the connection's own
+        return getattr(self._conn, name)
 
 
 def stop_process(proc, graceful: Callable[[], None] | None, timeout: float) -> bool:
