@@ -48,10 +48,10 @@ def stop_together(procs, timeout: float = STOP_TIMEOUT) -> None:
     of any that is not gone within ``timeout`` s."""
     procs = list(procs)
     for p in procs:
-        p.signal(signal.SIGTERM)
+        p.terminate()
     deadline = time.monotonic() + timeout
     for p in procs:
-        p.stop(timeout=max(0.5, deadline - time.monotonic()), terminate=False)
+        p.stop(timeout=max(0.5, deadline - time.monotonic()))
 
 
 def stop_running(timeout: float = STOP_TIMEOUT) -> None:
@@ -71,6 +71,7 @@ class ManagedProcess:
         self.name = name
         self.log_file = Path(log_file)
         self.proc: subprocess.Popen | None = None
+        self._terminated = False
 
     def start_process(self, cmd: list[str], *, env: dict | None = None, pipe_stdio: bool = False,
                       append: bool = True) -> subprocess.Popen:
@@ -87,6 +88,7 @@ class ManagedProcess:
             else:
                 self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                              start_new_session=True, env=env, preexec_fn=preexec)
+        self._terminated = False
         _started.add(self)
         return self.proc
 
@@ -112,6 +114,13 @@ class ManagedProcess:
             except ProcessLookupError:
                 pass
 
+    def terminate(self) -> None:
+        """SIGTERM, once per start: a node leaves gracefully on the first and exits at once on a
+        second, so a stop that is asked for twice must not send two."""
+        if not self._terminated:
+            self._terminated = True
+            self.signal(signal.SIGTERM)
+
     def wait(self, timeout: float) -> int | None:
         """Wait up to ``timeout`` s for the process to exit; its exit code, or None if it still runs."""
         if self.proc is None:
@@ -121,14 +130,13 @@ class ManagedProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    def stop(self, timeout: float = STOP_TIMEOUT, *, terminate: bool = True) -> int | None:
-        """SIGTERM (a graceful exit; ``terminate=False``: already sent, a second would mean "exit at
-        once") and up to ``timeout`` s to take it, then SIGKILL the whole process group whatever the
-        process did (children that outlive it go too). Returns the exit code."""
+    def stop(self, timeout: float = STOP_TIMEOUT) -> int | None:
+        """SIGTERM (a graceful exit, :meth:`terminate`) and up to ``timeout`` s to take it, then
+        SIGKILL the whole process group whatever the process did (children that outlive it go too).
+        Returns the exit code."""
         if self.proc is None:
             return None
-        if terminate:
-            self.signal(signal.SIGTERM)
+        self.terminate()
         self.wait(timeout)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
