@@ -16,6 +16,7 @@ test's DHT reader a peer to ask.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -113,21 +114,29 @@ def _ask_to_stop(cmd: Command, how) -> None:
         cmd.send(sig, group=group)
 
 
+@contextlib.contextmanager
+def _running_node(kind: str, anchor: dict, d: Path, *, tty: bool = False):
+    """A started node: (command, run id, ready info, every process it grew); all killed at the end."""
+    cmd, run = _start_node(kind, anchor, d, tty=tty)
+    procs: list = []
+    try:
+        info = _ready(cmd, d / "ready.json")
+        procs.extend(cmd.tree())
+        yield cmd, run, info, procs
+    finally:
+        kill_all(cmd, procs)
+
+
 @pytest.mark.parametrize("case", list(NODE_CASES))
 def test_node_leaves_on_signal(case, anchor, reader, tmp_path):
     kind, how = NODE_CASES[case]
-    cmd, run = _start_node(kind, anchor, tmp_path, tty=how == "tty")
-    procs = []
-    try:
-        info = _ready(cmd, tmp_path / "ready.json")
+    with _running_node(kind, anchor, tmp_path, tty=how == "tty") as (cmd, run, info, procs):
         port = info["http_port"]
         assert port and _status(port)["self"]["http_port"] == port   # --http-port 0: the bound port, reported
         step = wait_for(lambda: _status(port)["self"]["step"] >= 2 and _status(port)["self"]["step"], 60,
                         "a few training steps")
         wait_for(lambda: info["peer_id"] in _holders(reader, run), 30, "the node's announcement")
-        procs = cmd.tree()
-        names = [p.name() for p in procs]
-        assert "p2pd" in names and len(procs) >= 4, describe(procs)   # node, DHT, averager, p2pd (+ shm manager)
+        assert "p2pd" in [p.name() for p in procs] and len(procs) >= 4, describe(procs)   # node, DHT, averager, p2pd
         ckpt = tmp_path / "ckpt" / block_filename(info["block"])
         assert not ckpt.exists()   # --checkpoint-every 1000000: only the final checkpoint writes it
 
@@ -138,25 +147,19 @@ def test_node_leaves_on_signal(case, anchor, reader, tmp_path):
         withdrawn = wait_for(lambda: info["peer_id"] not in _holders(reader, run), 5, "the announcement withdrawn")
         left = wait_gone(procs, EXIT_BOUND_S)
         out = cmd.output()
-        report("node_signal", case=case, rc=rc, exit_s=round(took, 2), processes=len(procs),
-               left=len(left), stop_line=next((ln for ln in out.splitlines() if "left the run" in ln), None))
+        stop_line = next((ln for ln in out.splitlines() if "left the run in" in ln), "")
+        report("node_signal", case=case, rc=rc, exit_s=round(took, 2), processes=len(procs), left=len(left),
+               stop_line=stop_line)
         assert rc == 0, out[-3000:]
         assert took < EXIT_BOUND_S
         assert withdrawn
         assert load_block(ckpt).step >= step
         assert not left, describe(left)
-        stop_line = next(ln for ln in out.splitlines() if "left the run in" in ln)
-        assert "problems" not in stop_line   # every child stopped when asked, in order (none died first)
-    finally:
-        kill_all(cmd, procs)
+        assert stop_line and "problems" not in stop_line   # every child stopped when asked, in order
 
 
 def test_second_signal_exits_at_once(anchor, tmp_path):
-    cmd, _ = _start_node("join", anchor, tmp_path)
-    procs = []
-    try:
-        _ready(cmd, tmp_path / "ready.json")
-        procs = cmd.tree()
+    with _running_node("join", anchor, tmp_path) as (cmd, _, _, procs):
         t0 = time.monotonic()
         cmd.send(signal.SIGINT, group=False)
         time.sleep(0.05)
@@ -168,23 +171,15 @@ def test_second_signal_exits_at_once(anchor, tmp_path):
         assert rc == 128 + signal.SIGINT, cmd.output()[-3000:]
         assert "left the run in" not in cmd.output()   # it did not wait for the graceful stop
         assert not left, describe(left)
-    finally:
-        kill_all(cmd, procs)
 
 
 def test_sigkilled_node_leaves_no_process(anchor, tmp_path):
-    cmd, _ = _start_node("join", anchor, tmp_path)
-    procs = []
-    try:
-        _ready(cmd, tmp_path / "ready.json")
-        procs = cmd.tree()
+    with _running_node("join", anchor, tmp_path) as (cmd, _, _, procs):
         cmd.send(signal.SIGKILL, group=False)   # the main process only: its children must go on their own
         assert cmd.wait(10) == -signal.SIGKILL
         left = wait_gone(procs, EXIT_BOUND_S)
         report("node_sigkill", processes=len(procs), left=len(left))
         assert not left, describe(left)
-    finally:
-        kill_all(cmd, procs)
 
 
 def test_hivemind_children_outlive_group_signals(tmp_path):
@@ -229,28 +224,36 @@ SWARM_CASES = {
 }
 
 
-def _start_swarm(tmp_path: Path, *, tty: bool) -> Command:
-    return Command([*SWARM_ARGS, "--keep-running", "--workdir", str(tmp_path / "swarm")], tmp_path / "log", tty=tty)
+@contextlib.contextmanager
+def _running_swarm(tmp_path: Path, *, tty: bool):
+    """``bt-node swarm --keep-running``, serving: (command, every process it grew); all killed at the end."""
+    cmd = Command([*SWARM_ARGS, "--keep-running", "--workdir", str(tmp_path / "swarm")], tmp_path / "log", tty=tty)
+    procs: list = []
+    try:
+        cmd.wait_output(KEPT, 240)
+        procs.extend(cmd.tree())
+        yield cmd, procs
+    finally:
+        kill_all(cmd, procs)
 
 
 def _node_dirs(tmp_path: Path) -> list[Path]:
     return sorted(p for p in (tmp_path / "swarm").glob("node*") if p.is_dir())
 
 
+def _stop_line(log: Path) -> str:
+    return next((ln for ln in log.read_text().splitlines() if "left the run in" in ln), "")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(SWARM_CASES))
 def test_swarm_stops_everything_on_signal(case, tmp_path):
     how = SWARM_CASES[case]
-    cmd = _start_swarm(tmp_path, tty=how == "tty")
-    procs = []
-    try:
-        cmd.wait_output(KEPT, 240)
-        dirs = _node_dirs(tmp_path)
+    with _running_swarm(tmp_path, tty=how == "tty") as (cmd, procs):
         steps = {}
-        for d in dirs:
+        for d in _node_dirs(tmp_path):
             info = json.loads((d / "ready.json").read_text())
-            steps[d.name] = (info["block"], _status(info["http_port"])["self"]["step"])
-        procs = cmd.tree()
+            steps[d] = (info["block"], _status(info["http_port"])["self"]["step"])
         assert sum(p.name() == "p2pd" for p in procs) == 2 and len(procs) >= 9, describe(procs)   # swarm + 2 x 4
 
         t0 = time.monotonic()
@@ -258,33 +261,25 @@ def test_swarm_stops_everything_on_signal(case, tmp_path):
         rc = cmd.wait(30)
         took = time.monotonic() - t0
         left = wait_gone(procs, EXIT_BOUND_S)
-        report("swarm_signal", case=case, rc=rc, exit_s=round(took, 2), processes=len(procs), left=len(left))
+        report("swarm_signal", case=case, rc=rc, exit_s=round(took, 2), processes=len(procs), left=len(left),
+               stop_lines=[_stop_line(d / "node.log") for d in steps])
         assert rc == 0, cmd.output()[-3000:]
         assert took < EXIT_BOUND_S
-        for d in dirs:   # every node left gracefully: its final checkpoint is at least where it was
-            block, step = steps[d.name]
+        for d, (block, step) in steps.items():   # every node left gracefully: its final checkpoint is where it was
             assert load_block(d / "ckpt" / block_filename(block)).step >= step
-            stop_line = next(ln for ln in (d / "node.log").read_text().splitlines() if "left the run in" in ln)
-            assert "problems" not in stop_line
+            line = _stop_line(d / "node.log")
+            assert line and "problems" not in line
         assert not left, describe(left)
-    finally:
-        kill_all(cmd, procs)
 
 
 @pytest.mark.slow
 def test_sigkilled_swarm_leaves_no_process(tmp_path):
-    cmd = _start_swarm(tmp_path, tty=False)
-    procs = []
-    try:
-        cmd.wait_output(KEPT, 240)
-        procs = cmd.tree()
+    with _running_swarm(tmp_path, tty=False) as (cmd, procs):
         cmd.send(signal.SIGKILL, group=False)
         assert cmd.wait(10) == -signal.SIGKILL
         left = wait_gone(procs, EXIT_BOUND_S)
-        report("swarm_sigkill", processes=len(procs), left=len(left))
+        report("swarm_sigkill", processes=len(procs), left=len(left),
+               stop_lines=[_stop_line(d / "node.log") for d in _node_dirs(tmp_path)])
         assert not left, describe(left)
         for d in _node_dirs(tmp_path):   # the parent-death signal made each node leave gracefully
-            assert "left the run in" in (d / "node.log").read_text()
-    finally:
-        kill_all(cmd, procs)
-
+            assert _stop_line(d / "node.log")
