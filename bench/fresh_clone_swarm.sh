@@ -80,7 +80,12 @@ for i in $(seq 1 "$runs"); do
     left=$(pgrep -f -- "$work/swarm$i" || true)   # anything of this run still running is a failure too
     if [ "$rc" = 0 ] && [ -z "$left" ]; then
         ok=$((ok + 1))
-        what=$("$work/venv/bin/python" -c 'import json,sys; r=json.load(open(sys.argv[1])); print(f"chain CE {r[\"chain_ce_start\"]:.3f} -> {r[\"chain_ce\"]:.3f}, data {r[\"data\"]}")' "$out/run$i.json" 2>/dev/null || echo "?")
+        what=$("$work/venv/bin/python" - "$out/run$i.json" 2>/dev/null <<'PY' || echo "?"
+import json, sys
+r = json.load(open(sys.argv[1]))
+print("chain CE %.3f -> %.3f nats/byte, data: %s" % (r["chain_ce_start"], r["chain_ce"], r["protocol"]))
+PY
+)
         echo "run $i/$runs: ok in $(( $(date +%s) - t0 )) s ($what)"
     else
         echo "run $i/$runs: FAILED (exit $rc${left:+, processes left: $left}) in $(( $(date +%s) - t0 )) s; last lines:"
