@@ -16,6 +16,7 @@ Modules, one concern each:
 * ``aioloop``    ``LoopThread``: an event loop in a thread for thread-based callers
 * ``errors``     every error type raised here
 * ``averager``   ``BlockAveragerHandle``: hivemind's DecentralizedAverager for one block, behind a small handle
+* ``process``    hivemind's child processes as a node's children: stop signals, dying with the node
 
 Submodules are not imported here, so ``import blocktrain.p2p`` stays cheap.
 """

@@ -40,9 +40,9 @@ def start_pipeline(node) -> PipelineEngine:
     server = PipelineServer(node.p2p, node.run_id, limits, engine.handle, traffic=traffic,
                             inject_delay_s=o.inject_delay_ms / 1000.0,
                             authorize=node.auth.authorize if node.auth.restricted else None)
-    node.teardown.push("pipeline engine", engine.close)
+    node.teardown.push("pipeline engine", engine.close, budget=2.0)
     node.loop.run(server.add_block(node.block_index), timeout=30)
-    node.teardown.push("pipeline rpc", lambda: node.loop.run(server.close(), timeout=10))
+    node.teardown.push("pipeline rpc", lambda: node.loop.run(server.close(), timeout=2.0), budget=2.5)
     return engine
 
 
