@@ -17,6 +17,9 @@ worker that receives its input activations (``forward-streamed``) does not run.
 ``schedule="cosine"`` decays every trainee's learning rate to the end of the budget given to
 :meth:`train` (its own step count for a step budget; the elapsed fraction for a wall-time budget);
 the default "constant" is the network's schedule (warm-up, then constant).
+
+Chain-trained objectives (``pipeline``, ``forward-streamed``) take one step of all their blocks
+together per round, on one batch (``chain_train.chain_step``), as the network's engine does.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .budget import Budget
+from .chain_train import chain_step
 from .config import ModelConfig
 from .data import DataSplit
 from .windows import WindowSampler, eval_windows
@@ -164,7 +168,17 @@ class LocalRun:
         ))
 
     def round(self, progress: float | None = None) -> None:
-        for tr in self.trainees:
+        first = 0
+        if not self.objective.block_local:   # chain-trained: one step of every block on one batch
+            blocks = self.trainees[:len(self.blocks)]
+            w = blocks[0].sampler.next_batch(self.cfg.batch_size).to(self.device)
+            lr = blocks[0].schedule.at(blocks[0].steps, progress) if blocks[0].schedule is not None else None
+            stats = chain_step(self.objective, self.blocks, [tr.opt for tr in blocks], self.cfg, blocks[0].steps, w,
+                               lr=lr)
+            for tr, st in zip(blocks, stats):
+                tr.last, tr.steps = st, tr.steps + 1
+            first = len(self.blocks)
+        for tr in self.trainees[first:]:
             tr.credit += tr.steps_per_round
             n = int(tr.credit + 1e-9)
             tr.credit -= n

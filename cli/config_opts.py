@@ -14,7 +14,7 @@ def config_options(fn):
     fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                       help="Override one config field, e.g. --set n_blocks=4 --set d_model=128.")(fn)
     fn = click.option("--objective", default=None,
-                      help=f"Block-local objective: {', '.join(OBJECTIVES)} (default: the config's).")(fn)
+                      help=f"Objective: {', '.join(OBJECTIVES)} (default: the config's).")(fn)
     fn = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
                       help="Model/run config file (TOML or JSON).")(fn)
     return fn

@@ -5,6 +5,7 @@ import click
 
 from .bench_resource_cmds import bench_memory_cmd, bench_throughput_cmd
 from .bench_net_cmds import bench_compression_cmd, bench_inference_cmd, bench_p2p_cmd, bench_swarm_cmd
+from .bench_pipeline_cmd import bench_pipeline_cmd
 from .bench_sim_cmd import bench_simulate_cmd
 from .local_cmds import eval_cmd, train_local
 from .quality_cmd import bench_quality
@@ -46,6 +47,7 @@ bench.add_command(bench_inference_cmd)
 bench.add_command(bench_compression_cmd)
 bench.add_command(bench_p2p_cmd)
 bench.add_command(bench_simulate_cmd)
+bench.add_command(bench_pipeline_cmd)
 
 
 def main() -> None:

@@ -118,7 +118,7 @@ def _progress(st) -> Table:
 
 def _common(checkpoint_dir, run_id, **kw) -> NodeOptions:
     d = checkpoint_dir or f"bt-node-{run_id or 'run'}"
-    return NodeOptions(checkpoint_dir=Path(d), run_id=run_id, **_PRIVATE_RUN.get(), **kw)
+    return NodeOptions(checkpoint_dir=Path(d), run_id=run_id, **_PRIVATE_RUN.get(), **_PIPELINE.get(), **kw)
 
 
 RUN_HELP = ("Which run: RUN, or its run address RUN@SEEDER_PEER_ID (believe only that seeder's manifest), "
@@ -174,6 +174,38 @@ def private_run_options(fn):
     return wrapper
 
 
+# -- chain-trained runs (node/pipeline): --pipeline-*, handed to _common ------------------------------
+_PIPELINE: contextvars.ContextVar[dict] = contextvars.ContextVar("bt_pipeline", default={})
+
+
+def pipeline_options(fn):
+    """--pipeline-inflight / -accumulate / -compression / -timeout for seed and join."""
+    @functools.wraps(fn)
+    def wrapper(*args, pipeline_inflight=4, pipeline_accumulate=1, pipeline_compression="fp32",
+                pipeline_timeout=60.0, **kwargs):
+        _PIPELINE.set({"pipeline_inflight": pipeline_inflight, "pipeline_accumulate": pipeline_accumulate,
+                       "pipeline_compression": pipeline_compression, "pipeline_timeout": pipeline_timeout})
+        return fn(*args, **kwargs)
+    opts = [
+        click.option("--pipeline-inflight", type=click.IntRange(1, 4096), default=4, show_default=True,
+                     help="pipeline and forward-streamed runs, holders of block 0: micro-batches kept in flight "
+                          "along the chain."),
+        click.option("--pipeline-accumulate", type=click.IntRange(1, 4096), default=1, show_default=True,
+                     help="pipeline and forward-streamed runs: micro-batches whose gradients make one optimizer "
+                          "step of this node's block."),
+        click.option("--pipeline-compression", type=click.Choice(["fp32", "fp16", "8bit"]), default="fp32",
+                     show_default=True, help="pipeline and forward-streamed runs: how this node sends activations (fp16: "
+                                             "half the bytes, 8bit: about a quarter); gradients go back as "
+                                             "their caller sent."),
+        click.option("--pipeline-timeout", type=click.FloatRange(1, 600), default=60.0, show_default=True,
+                     help="pipeline and forward-streamed runs, block 0: seconds a micro-batch may take through "
+                          "the chain and back before it is counted lost."),
+    ]
+    for o in reversed(opts):
+        wrapper = o(wrapper)
+    return wrapper
+
+
 @click.command("seed")
 @click.option("--run-id", required=True, help="Name of the new run (letters, digits, '_' or '-').")
 @click.option("--initial-peers", multiple=True, metavar="MULTIADDR",
@@ -185,6 +217,7 @@ def private_run_options(fn):
 @config_options
 @node_options
 @private_run_options
+@pipeline_options
 @friendly
 def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpoint_dir, block, device, host, port,
          announce_host, http_port, http_host, average_every, average_period, checkpoint_every, max_steps,
@@ -217,6 +250,7 @@ def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpo
                    "run names; it never reads a path named by the network.")
 @node_options
 @private_run_options
+@pipeline_options
 @friendly
 def join(initial_peers, run_id, data, checkpoint_dir, block, device, host, port, announce_host, http_port,
          http_host, average_every, average_period, checkpoint_every, max_steps, eval_every, sample_seed, ready_file, quiet,

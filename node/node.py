@@ -27,6 +27,7 @@ from blocktrain.node.auth import RunAuth
 from blocktrain.node.averaging.rounds import BlockAverager
 from blocktrain.node.loops import Loop, Teardown
 from blocktrain.node.options import NodeOptions
+from blocktrain.node.pipeline.compose import start_pipeline
 from blocktrain.node.runs import member_data, published_data_spec, resolve_run
 from blocktrain.node.routing.bans import PeerBans
 from blocktrain.node.routing.hops import serve_local
@@ -71,6 +72,7 @@ class Node:
         self.ranking = HolderRanking()        # what this node measured of other peers
         self.discovery = self.trainer = self.averager = self.http = self.upstream = None
         self.server = self.client = self.router = None
+        self.pipeline = None                  # the pipeline engine, for chain-trained runs (node/pipeline)
         self._checkpoint_ok = False
         self._avg_wakeup = threading.Event()
 
@@ -102,6 +104,8 @@ class Node:
         self._resolve_run()
         self._build_trainer()
         self._start_rpc()
+        if not self.trainer.objective.block_local:   # pipeline / forward-streamed: train along the chain
+            self.pipeline = start_pipeline(self)
         self.averager = BlockAverager(self.discovery.dht, self.trainer, self.run_id, peer_id=self.peer_id,
                                       compression=o.averaging_compression,
                                       authorize=self.auth.authorize if self.auth.restricted else None,
@@ -119,7 +123,7 @@ class Node:
         self.discovery.start_announcing(self.announcement)
         td.push("announcements", lambda: self.discovery.stop_announcing(withdraw=True))
         td.push("final checkpoint", self._final_checkpoint)
-        self._start_loop("train", self._train)
+        self._start_loop("train", self._train if self.pipeline is None else self.pipeline.run)
         self._start_loop("average", self._average)
         if self.upstream is not None and self.block_index > 0:
             self._start_loop("upstream", lambda stop: self.upstream.run(stop, self.refresh_upstream))
@@ -257,10 +261,15 @@ class Node:
                 stop.wait(0.5)
                 continue
             t.train_step()
-            if t.step % o.average_every == 0:
-                self._avg_wakeup.set()
-            if t.step % o.checkpoint_every == 0:
-                self.save_checkpoint()
+            self._after_step()
+
+    def _after_step(self) -> None:
+        """After each optimizer step (local, or the pipeline engine's): wake averaging, checkpoint."""
+        t, o = self.trainer, self.opts
+        if t.step % o.average_every == 0:
+            self._avg_wakeup.set()
+        if t.step % o.checkpoint_every == 0:
+            self.save_checkpoint()
 
     def _average(self, stop: threading.Event) -> None:
         """A round every ``average_every`` local steps; while not training (max steps reached,

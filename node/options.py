@@ -38,6 +38,11 @@ class NodeOptions:
     averaging_compression: str = "fp32"        # fp32 | fp16 | 8bit: what the all-reduce sends
     inject_delay_ms: float = 0.0               # benchmark/testing knob: one-way delay per hop RPC
     upstream_refresh: float = 30.0             # forward-chained: seconds between snapshot refreshes of blocks < b
+    # chain-trained runs (pipeline, forward-streamed): the pipeline engine (node/pipeline/engine.py)
+    pipeline_inflight: int = 4                 # micro-batches a block-0 holder keeps in flight
+    pipeline_accumulate: int = 1               # micro-batches per optimizer step
+    pipeline_compression: str = "fp32"         # fp32 | fp16 | 8bit: activations and gradients sent
+    pipeline_timeout: float = 60.0             # seconds a micro-batch may take, block 0 and back
 
     def __post_init__(self) -> None:
         self.checkpoint_dir = Path(self.checkpoint_dir)
@@ -65,5 +70,8 @@ class NodeOptions:
             raise ValueError(f"--averaging-compression must be fp32, fp16 or 8bit, got {self.averaging_compression!r}")
         if not 1.0 <= self.upstream_refresh <= 86_400.0:
             raise ValueError(f"--upstream-refresh must be in [1, 86400] seconds, got {self.upstream_refresh}")
+        from .pipeline.settings import PipelineSettings   # the pipeline flags' checks live with the engine
+        PipelineSettings(inflight=self.pipeline_inflight, accumulate=self.pipeline_accumulate,
+                         codec=self.pipeline_compression, timeout_s=self.pipeline_timeout)
         if not 0.0 <= self.inject_delay_ms <= 10_000.0:
             raise ValueError(f"--inject-delay-ms must be in [0, 10000], got {self.inject_delay_ms}")

@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass, field
 @dataclass(frozen=True)
 class NodeStatus:
     run: dict                 # run id, config hash, objective, shape, data and protocol
-    self: dict                # this node: peer id, block, state, step, loss, addresses, uptime, upstream
+    self: dict                # this node: peer id, block, state, step, loss, addresses, uptime, upstream,
+                              # pipeline (chain-trained runs: micro-batches, bytes, stalled time, memory)
     blocks: list[dict]        # per block: its announced holders
     losses: list[list]        # recent [time, step, loss]
     averaging: dict           # round counts, last verdict, traffic, history
@@ -48,6 +49,10 @@ def build_status(node) -> NodeStatus:
     traffic = a.traffic()
     counters = {"peers_banned_total": node.route_bans.total + a.bans.total,
                 "checkpoints_written_total": node.checkpoints_written}
+    engine = getattr(node, "pipeline", None)
+    if engine is not None:
+        from blocktrain.node.pipeline.compose import pipeline_counters
+        counters.update(pipeline_counters(engine))
     for side, counter in (("server", node.server.traffic), ("client", node.client.traffic)):
         snap = counter.snapshot()
         counters.update({f"rpc_{side}_bytes_sent_total": snap.bytes_sent,
@@ -62,7 +67,8 @@ def build_status(node) -> NodeStatus:
               "maddrs": node.discovery.visible_maddrs(), "uptime_s": time.time() - node.started_at,
               "resumed": node.resumed, "downloaded_state": node.downloaded is not None,
               "http_port": node.http.port if node.http is not None else None,
-              "upstream": node.upstream.status() if node.upstream is not None else None},
+              "upstream": node.upstream.status() if node.upstream is not None else None,
+              "pipeline": engine.status() if engine is not None else None},
         blocks=blocks,
         losses=[[round(ts, 3), st, round(lo, 5)] for ts, st, lo in list(t.losses)[-200:]],
         averaging={"attempted": s.attempted, "succeeded": s.succeeded, "rejected": s.rejected,

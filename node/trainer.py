@@ -8,6 +8,12 @@ loop, hop serving and averaging run in different threads).
 Objectives that ``needs_upstream`` (forward-chained) train block b on the outputs of blocks < b:
 the trainer then reads them from an :class:`~blocktrain.node.upstream.UpstreamSnapshots` and
 cannot train or judge a round until it holds all of them (:meth:`ready`).
+
+Chain-trained objectives (``pipeline``, ``forward-streamed``) do not step locally: the pipeline
+engine (``node/pipeline``) runs the block's forward and backward under ``self.lock``, reports each
+micro-batch whose gradients it accumulated (:meth:`add_microbatch`), and the trainer takes the
+optimizer step on their mean (:meth:`step_accumulated`). ``weights_version`` counts every write
+of the weights, so the engine knows when a stashed forward no longer matches them.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from blocktrain.blocks.chain import HopRequest, HopResult
 from blocktrain.blocks.config import ModelConfig
 from blocktrain.blocks.windows import WindowSampler, eval_windows
 from blocktrain.blocks.objectives import get_objective
-from blocktrain.blocks.train import make_optimizer, optimizer_step
+from blocktrain.blocks.train import lr_at, make_optimizer, optimizer_step
 
 
 class UpstreamNotReady(RuntimeError):
@@ -52,6 +58,8 @@ class BlockTrainer:
         self.samples_since_average = 0
         self.losses: deque[tuple[float, int, float]] = deque(maxlen=500)   # (time, step, loss)
         self._rate: deque[tuple[float, int]] = deque(maxlen=50)
+        self.weights_version = 0      # +1 on every write of the weights
+        self._pending: list[tuple[int, float | None]] = []   # accumulated micro-batches: (samples, loss)
 
     # -- readiness (forward-chained: snapshots of blocks < b) -------------------------------------
     def ready(self) -> bool:
@@ -78,11 +86,60 @@ class BlockTrainer:
                                    lambda: self.objective.local_loss(self.module, self.block_index, w, self.gen,
                                                                      upstream=up))
             self.step += 1
+            self.weights_version += 1
             self.samples_seen += w.shape[0]
             self.samples_since_average += w.shape[0]
         now = time.time()
         self.losses.append((now, self.step, stats["loss"]))
         self._rate.append((now, self.samples_seen))
+        return stats
+
+    # -- chain training: gradients accumulated by the pipeline engine ---------------------------------
+    @property
+    def judges_by_loss(self) -> bool:
+        """Can this block be judged by a held-out loss of its own (averaging, downloads)? Not for
+        chain-trained objectives: a pipeline block has no loss alone."""
+        return self.objective.block_local
+
+    def add_microbatch(self, samples: int, loss: float | None) -> int:
+        """Count one micro-batch whose gradients were just accumulated into the block's ``.grad``
+        (call under ``self.lock``); returns how many are pending."""
+        with self.lock:
+            self._pending.append((samples, loss))
+            return len(self._pending)
+
+    def step_accumulated(self, *, apply: bool = True) -> dict | None:
+        """One optimizer step on the mean gradient of the pending micro-batches (clip, step, zero);
+        with ``apply`` False (not training: max steps reached, serve-only) they are dropped. None if
+        nothing was pending."""
+        with self.lock:
+            pending, self._pending = self._pending, []
+            if not pending:
+                return None
+            params = [p for p in self.module.parameters() if p.grad is not None]
+            stats = None
+            if apply:
+                for p in params:
+                    p.grad.div_(len(pending))
+                for g in self.opt.param_groups:
+                    g["lr"] = lr_at(self.step, self.cfg)
+                gnorm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip))
+                if gnorm == gnorm and gnorm != float("inf"):   # a non-finite gradient is dropped, not applied
+                    self.opt.step()
+                    samples = sum(n for n, _ in pending)
+                    self.step += 1
+                    self.weights_version += 1
+                    self.samples_seen += samples
+                    self.samples_since_average += samples
+                    losses = [x for _, x in pending if x is not None]
+                    stats = {"loss": sum(losses) / len(losses) if losses else None, "grad_norm": gnorm,
+                             "microbatches": len(pending)}
+            self.opt.zero_grad(set_to_none=True)
+        if stats is not None:
+            now = time.time()
+            if stats["loss"] is not None:
+                self.losses.append((now, self.step, stats["loss"]))
+            self._rate.append((now, self.samples_seen))
         return stats
 
     def throughput(self) -> float:
@@ -135,6 +192,7 @@ class BlockTrainer:
             for p, a, s in zip(self.module.parameters(), averaged, snapshot):
                 p.data.add_((a - s).to(p.device, p.dtype))
             self.samples_since_average = 0
+            self.weights_version += 1
 
     def check_parameters(self, tensors: Sequence[torch.Tensor]) -> None:
         """Raise ValueError unless ``tensors`` fit this block's parameters and are finite."""
@@ -150,6 +208,7 @@ class BlockTrainer:
             for p, t in zip(self.module.parameters(), tensors):
                 p.data.copy_(t.to(p.device, p.dtype))
             self.step, self.samples_seen = step, samples_seen
+            self.weights_version += 1
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         with self.lock:
@@ -160,6 +219,7 @@ class BlockTrainer:
         with self.lock:
             self.module.load_state_dict({k: v.to(self.device) for k, v in tensors.items()})
             self.step, self.samples_seen = step, samples_seen
+            self.weights_version += 1
 
     def shared_state(self) -> tuple[dict, list[torch.Tensor]]:
         """What averaging peers download from us: metadata and the parameters."""
@@ -205,4 +265,5 @@ class BlockTrainer:
                 self.opt.load_state_dict(c.optimizer_state["optimizer"])
                 self.sampler.load_state_dict(c.optimizer_state["sampler"])
             self.step, self.samples_seen = c.step, c.samples_seen
+            self.weights_version += 1
         return True

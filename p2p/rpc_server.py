@@ -35,7 +35,7 @@ from blocktrain.p2p.tensors import DEFAULT_CHUNK_BYTES, TensorAssembler, decode_
 from blocktrain.p2p.traffic import TrafficCounter
 
 __all__ = ["BlockService", "BlockRPCServer", "HopHandler", "StateProvider", "UNARY_LIMIT_BYTES", "InfoService",
-           "INFO_NAMESPACE"]
+           "INFO_NAMESPACE", "failure_response", "split_response"]
 
 logger = logging.getLogger(__name__)
 
@@ -182,20 +182,10 @@ class BlockService(ServicerBase):
 
     def _failure(self, e: Exception, rid: str, context: P2PContext) -> runtime_pb2.ExpertResponse:
         self.traffic.call(ok=False)
-        if isinstance(e, HopRequestError):
-            logger.info("refused hop from %s: %s", context.remote_id, e)
-            return error_response(e.code, e.reason, rid)
-        logger.exception("unexpected failure serving a hop from %s", context.remote_id)
-        return error_response("internal", f"{type(e).__name__}: {e}", rid)
+        return failure_response(e, rid, f"hop from {context.remote_id}")
 
     def _split(self, response: runtime_pb2.ExpertResponse) -> list[runtime_pb2.ExpertResponse]:
-        """First message: metadata (+ first part); then one tensor part per message."""
-        parts = [p for pb in response.tensors for p in split_parts(pb, self.chunk_bytes)]
-        if not parts:
-            return [response]
-        msgs = [runtime_pb2.ExpertResponse(metadata=response.metadata, tensors=[parts[0]])]
-        msgs += [runtime_pb2.ExpertResponse(tensors=[p]) for p in parts[1:]]
-        return msgs
+        return split_response(response, self.chunk_bytes)
 
     # -- state download ---------------------------------------------------------------------
     async def rpc_state(
@@ -240,6 +230,25 @@ class BlockService(ServicerBase):
                 msg = runtime_pb2.ExpertResponse(tensors=[part])
                 self.traffic.sent(msg.ByteSize())
                 yield msg
+
+
+def failure_response(e: Exception, rid: str, what: str) -> runtime_pb2.ExpertResponse:
+    """The error answer to a refused or failed call (``what``: "hop from PEER", for the log)."""
+    if isinstance(e, HopRequestError):
+        logger.info("refused %s: %s", what, e)
+        return error_response(e.code, e.reason, rid)
+    logger.exception("unexpected failure serving %s", what)
+    return error_response("internal", f"{type(e).__name__}: {e}", rid)
+
+
+def split_response(response: runtime_pb2.ExpertResponse, chunk_bytes: int) -> list[runtime_pb2.ExpertResponse]:
+    """A streamed answer: first message metadata (+ first part), then one tensor part per message."""
+    parts = [p for pb in response.tensors for p in split_parts(pb, chunk_bytes)]
+    if not parts:
+        return [response]
+    msgs = [runtime_pb2.ExpertResponse(metadata=response.metadata, tensors=[parts[0]])]
+    msgs += [runtime_pb2.ExpertResponse(tensors=[p]) for p in parts[1:]]
+    return msgs
 
 
 class BlockRPCServer:

@@ -1,13 +1,16 @@
-"""Registry of block-local objectives. ``get_objective(cfg)`` builds the one the config names."""
+"""Registry of objectives: the block-local ones and the chain-trained ``pipeline`` and
+``forward-streamed``. ``get_objective(cfg)`` builds the one the config names."""
 from __future__ import annotations
 
 from ..config import ConfigError, ModelConfig
-from .base import Objective, ScoreResult
+from .base import CHAIN_TRAINING, NotBlockLocalError, Objective, ScoreResult
 from .chunked_continuous import ChunkedContinuousObjective
 from .chunked_masked import ChunkedMaskedObjective
 from .forward_chained import ForwardChainedObjective
 from .forward_residual import ForwardResidualObjective
+from .forward_streamed import ForwardStreamedObjective
 from .paper import PaperObjective
+from .pipeline import PipelineObjective
 
 OBJECTIVES: dict[str, type[Objective]] = {
     PaperObjective.name: PaperObjective,
@@ -15,6 +18,8 @@ OBJECTIVES: dict[str, type[Objective]] = {
     ForwardChainedObjective.name: ForwardChainedObjective,
     ChunkedContinuousObjective.name: ChunkedContinuousObjective,
     ForwardResidualObjective.name: ForwardResidualObjective,
+    PipelineObjective.name: PipelineObjective,
+    ForwardStreamedObjective.name: ForwardStreamedObjective,
 }
 
 DEFAULT_OBJECTIVE = "paper"
@@ -30,4 +35,5 @@ def get_objective(cfg: ModelConfig) -> Objective:
     return cls(cfg)
 
 
-__all__ = ["OBJECTIVES", "DEFAULT_OBJECTIVE", "Objective", "ScoreResult", "get_objective"]
+__all__ = ["CHAIN_TRAINING", "OBJECTIVES", "DEFAULT_OBJECTIVE", "NotBlockLocalError", "Objective", "ScoreResult",
+           "get_objective"]

@@ -76,7 +76,8 @@ class BlockAverager:
         if meta.get("config_hash") != t.cfg.config_hash:
             raise ValueError("a peer offered state for a different config; refusing it")
         t.check_parameters(tensors)
-        fresh, offered = t.check_loss(), t.check_loss_of(tensors)
+        # a chain-trained block (pipeline) has no loss alone: shape and finiteness are all we check
+        fresh, offered = (t.check_loss(), t.check_loss_of(tensors)) if t.judges_by_loss else (0.0, 0.0)
         if not offered < fresh + self.policy.max_loss_increase:   # NaN fails too
             raise ValueError(f"a peer offered block state whose held-out check loss ({offered:.3f}) is worse "
                              f"than this block's own ({fresh:.3f}); refusing it")
@@ -113,7 +114,8 @@ class BlockAverager:
         if verdict is not None:
             self.bans.strike(verdict.offenders, verdict.reason, attributable=True)
         else:
-            verdict = judge(snapshot, res.averaged, self.policy, t.check_loss_of)
+            # chain-trained blocks have no loss alone: judged on finiteness and change size only
+            verdict = judge(snapshot, res.averaged, self.policy, t.check_loss_of if t.judges_by_loss else None)
             if verdict.accepted:
                 self.bans.forgive(others)
             else:   # the mean cannot be pinned on one member: blame every other member (acceptance.py)

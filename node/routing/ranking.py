@@ -7,6 +7,9 @@ The expected cost of asking a peer is ``latency / success``: a peer never measur
 ``unknown_latency_s / prior_success``, so a peer that answered well comes first, strangers next
 (in random order, so that no announcement order decides who is tried), and peers that just
 failed last. The router, the state fetcher and export all order holders with this one rule.
+Pipeline training (``pipeline_route.py``) draws the next stage's holder at random with probability
+proportional to 1 / cost (:meth:`pick`: SWARM's stochastic wiring), from its own instance, since a
+training call's latency (the rest of the chain, forward and back) is not a hop's.
 """
 from __future__ import annotations
 
@@ -62,6 +65,17 @@ class HolderRanking:
         """``peers`` cheapest first; equal costs (strangers) in random order."""
         keyed = [(self.cost(p), self._rng.random(), p) for p in dict.fromkeys(peers)]
         return [p for _, _, p in sorted(keyed)]
+
+    def pick(self, peers: list[str]) -> str:
+        """One of ``peers`` at random, with probability proportional to 1 / cost (stochastic wiring,
+        Ryabinin et al., SWARM parallelism, 2023): fast, reliable holders get more of the traffic,
+        strangers and slow ones still some, so new measurements keep coming."""
+        if not peers:
+            raise ValueError("no peer to pick from")
+        peers = list(dict.fromkeys(peers))
+        weights = [1.0 / max(self.cost(p), 1e-6) for p in peers]
+        with self._lock:
+            return self._rng.choices(peers, weights=weights)[0]
 
     def known(self, peer: str) -> PeerRecord | None:
         with self._lock:

@@ -1,0 +1,295 @@
+"""``bt-node bench pipeline``: training along the chain vs block-local training, at equal wall time.
+
+For each objective (default ``pipeline``, ``forward-streamed``, ``paper``) one real local network
+of ``bt-node`` processes on 127.0.0.1 (one torch thread each; default 6 workers over 4 blocks,
+blocks 1 and 2 held twice) trains for the same wall time, counted from the moment every worker is
+up (holders start from the last block down, block 0 last, so a chain-trained network is whole
+before its first micro-batch). Then:
+
+* quality: every worker leaves gracefully (final checkpoint); the chain through replica r of every
+  block (r = 0, 1, ...; the last replica where a block has fewer) is scored in this process on the
+  same held-out windows for every objective, and the mean over replica chains is reported, with
+  the untrained chain's CE for scale;
+* throughput: tokens per second of each block (its holders' samples during the window x seq_len),
+  the chain's figure being the slowest block's;
+* traffic: bytes each worker sent for training (pipeline RPC messages, as ``/metrics`` counts
+  them, plus averaging messages), in total and per worker per optimizer step;
+* memory: the peak resident set of each worker's node process (``VmHWM``; its DHT and p2pd
+  children not included); stalled time and micro-batches lost from the pipeline engine's counters;
+* serving: one holder per block restarts from those checkpoints with ``--inject-delay-ms D`` (each
+  hop's round trip gains 2 D) and ``--max-steps 0``, and a client generates ``gen_bytes`` bytes
+  (``paper``: one sweep; the others one traversal per byte): traversals and wall time.
+
+The two references of issue 13 (the one-block model and the whole-size model trained in one
+process) are ``bench quality``'s; they are not repeated here. Figures: run it; none are recorded here.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from blocktrain.bench.swarm import _env, _metrics, init_blocks
+from blocktrain.blocks import checkpoint as ckpt
+from blocktrain.blocks.config import ModelConfig
+from blocktrain.blocks.default_data import resolve_default
+from blocktrain.blocks.objectives import get_objective
+from blocktrain.blocks.windows import eval_windows
+from blocktrain.node.swarm.launcher import LocalSwarm
+from blocktrain.node.swarm.run import typed_settings
+
+FULL_CONFIG = ["d_model=64", "n_heads=2", "layers_per_block=1", "n_blocks=4", "seq_len=288", "target_dim=16",
+               "batch_size=8", "warmup_steps=20", "lr=0.002"]
+TINY_CONFIG = ["d_model=32", "n_heads=2", "layers_per_block=1", "n_blocks=2", "seq_len=32", "target_dim=8",
+               "batch_size=4", "warmup_steps=2", "lr=0.002"]
+
+
+@dataclass
+class PipelineBenchSettings:
+    overrides: list[str] = field(default_factory=lambda: list(FULL_CONFIG))
+    plan: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 1, 2])     # block per worker
+    objectives: list[str] = field(default_factory=lambda: ["pipeline", "forward-streamed", "paper"])
+    train_s: float = 120.0
+    eval_windows: int = 64
+    gen_bytes: int = 256
+    delay_ms: float = 25.0
+    average_every: int = 10
+    compression: str = "fp32"       # --pipeline-compression of every worker
+    inflight: int = 4
+    data: str = "auto"
+
+    @classmethod
+    def tiny(cls) -> "PipelineBenchSettings":
+        return cls(overrides=list(TINY_CONFIG), plan=[0, 1, 1], train_s=10.0, eval_windows=8, gen_bytes=4,
+                   delay_ms=5.0, average_every=5)
+
+    def validate(self, cfg: ModelConfig) -> None:
+        if sorted(set(self.plan)) != list(range(cfg.n_blocks)):
+            raise ValueError(f"the layout {self.plan} must hold every block of {cfg.n_blocks}")
+        if self.train_s <= 0 or self.eval_windows < 1:
+            raise ValueError("--train-seconds and --eval-windows must be positive")
+        if "paper" in self.objectives and self.gen_bytes > cfg.seq_len - 1:
+            raise ValueError(f"paper generates at most seq_len-1 = {cfg.seq_len - 1} bytes in one sweep; "
+                             f"--gen-bytes is {self.gen_bytes}")
+        for o in self.objectives:
+            get_objective(cfg.replace(objective=o))   # a clear error for an unknown name
+
+
+def _peak_rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def _slug(name: str) -> str:
+    return name.replace("-", "")
+
+
+class _Network:
+    """One objective's training network: start (last block first), train for a wall time, stop."""
+
+    def __init__(self, objective: str, s: PipelineBenchSettings, base: Path, data_used: str):
+        self.objective, self.s, self.base = objective, s, base / _slug(objective)
+        self.sets = [*s.overrides, f"objective={objective}"]
+        self.cfg = ModelConfig.from_dict(typed_settings(self.sets), source="bench pipeline config")
+        extra = ["--device", "cpu", "--average-every", str(s.average_every), "--checkpoint-every", str(10**9),
+                 "--pipeline-inflight", str(s.inflight), "--pipeline-compression", s.compression]
+        self.swarm = LocalSwarm(self.base, run_id=f"bench-{_slug(objective)}", overrides=self.sets, data=data_used,
+                                extra_args=extra)
+        self.order = sorted(range(len(s.plan)), key=lambda i: -s.plan[i])   # workers, highest block first
+        self.blocks: list[int] = []                                           # block of swarm.nodes[i]
+
+    def train(self, say: Callable[[str], None]) -> dict:
+        s = self.s
+        with _env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"):
+            first = self.order[0]
+            self.swarm.start_seed(block=s.plan[first])
+            self.blocks.append(s.plan[first])
+            for i in self.order[1:]:
+                self.swarm.start_join(block=s.plan[i], wait=False)
+                self.blocks.append(s.plan[i])
+            for nd in self.swarm.nodes[1:]:
+                nd.wait_ready(timeout=240)
+        start = self._poll()
+        t0 = time.time()
+        say(f"{self.objective}: {len(self.blocks)} workers up; training {s.train_s:.0f}s")
+        while time.time() - t0 < s.train_s:
+            time.sleep(min(2.0, max(0.1, s.train_s - (time.time() - t0))))
+            self._poll()
+        end, seconds = self._poll(), time.time() - t0
+        mets = [_metrics(nd) for nd in self.swarm.nodes]
+        mem = [_peak_rss_mib(nd.proc.pid) for nd in self.swarm.nodes]
+        self.swarm.stop_all()     # graceful: every worker writes its final checkpoint
+        return self._report(start, end, mets, mem, seconds)
+
+    def _poll(self) -> list[dict]:
+        out = []
+        for nd in self.swarm.nodes:
+            if not nd.alive:
+                raise RuntimeError(f"{self.objective}: node {nd.name} died:\n{nd.tail()}")
+            out.append(nd.get("/v1/status", timeout=30))
+        return out
+
+    def _report(self, start, end, mets, mem, seconds) -> dict:
+        T = self.cfg.seq_len
+        workers = []
+        for nd, b, st0, st, m, rss in zip(self.swarm.nodes, self.blocks, start, end, mets, mem):
+            pipe = st["self"].get("pipeline") or {}
+            steps = st["self"]["step"] - st0["self"]["step"]
+            sent = int(m.get("pipeline_wire_bytes_sent_total", 0) + st["averaging"].get("bytes_sent", 0))
+            workers.append({
+                "name": nd.name, "block": b, "steps": steps,
+                "tokens": (st["self"]["samples_seen"] - st0["self"]["samples_seen"]) * T,
+                "bytes_sent": sent, "bytes_sent_per_step": sent / steps if steps else None,
+                "pipeline_bytes_sent": int(m.get("pipeline_wire_bytes_sent_total", 0)),
+                "averaging_bytes_sent": int(st["averaging"].get("bytes_sent", 0)),
+                "averaging_rounds_ok": st["averaging"]["succeeded"], "peak_rss_mib": rss,
+                "stalled_s": pipe.get("stalled_s"), "lost": pipe.get("lost"), "completed": pipe.get("completed"),
+                "failed_calls": pipe.get("failed_calls"), "recomputed": pipe.get("recomputed"),
+                "ckpt": str(nd.workdir / "ckpt"),
+            })
+        per_block = {b: sum(w["tokens"] for w in workers if w["block"] == b) / seconds
+                     for b in range(self.cfg.n_blocks)}
+        total = sum(w["bytes_sent"] for w in workers)
+        steps = sum(w["steps"] for w in workers)
+        return {"objective": self.objective, "workers": workers, "train_wall_s": round(seconds, 1),
+                "tokens_per_s_by_block": per_block, "tokens_per_s": min(per_block.values()),
+                "bytes_sent_total": total, "bytes_sent_per_worker_per_step": total / steps if steps else None,
+                "peak_rss_mib_max": max((w["peak_rss_mib"] or 0) for w in workers),
+                "stalled_s_total": sum(w["stalled_s"] or 0 for w in workers),
+                "microbatches_lost": sum(w["lost"] or 0 for w in workers),
+                "microbatches_completed": sum(w["completed"] or 0 for w in workers)}
+
+
+def _load_chains(cfg: ModelConfig, workers: list[dict]) -> list[list[torch.nn.Module]]:
+    """The trained blocks, one chain per replica index (the last replica where a block has fewer)."""
+    obj = get_objective(cfg)
+    by_block: dict[int, list[torch.nn.Module]] = {}
+    for w in workers:
+        c = ckpt.load_block(Path(w["ckpt"]) / ckpt.block_filename(w["block"]), expected_config_hash=cfg.config_hash,
+                            expected_block=w["block"])
+        m = obj.build_block(w["block"])
+        m.load_state_dict(c.tensors)
+        by_block.setdefault(w["block"], []).append(m.eval())
+    n = max(len(v) for v in by_block.values())
+    return [[by_block[b][min(r, len(by_block[b]) - 1)] for b in range(cfg.n_blocks)] for r in range(n)]
+
+
+def _serve(cfg: ModelConfig, sets: list[str], chain_ckpts: list[str], s: PipelineBenchSettings, base: Path,
+           data_used: str, prompt: bytes) -> dict:
+    """One holder per block, restarted from the trained checkpoints with injected delay; one generation."""
+    obj = get_objective(cfg)
+    mode = "one_sweep" if obj.name == "paper" else "autoregressive"
+    swarm = LocalSwarm(base, run_id=f"serve-{_slug(obj.name)}", overrides=sets, data=data_used,
+                       extra_args=["--device", "cpu", "--max-steps", "0", "--average-every", str(10**9),
+                                   "--average-period", "1e9", "--inject-delay-ms", repr(float(s.delay_ms))])
+    for b, src in enumerate(chain_ckpts):
+        d = base / f"node{b}" / "ckpt"
+        d.mkdir(parents=True, exist_ok=True)
+        for f in Path(src).glob(Path(ckpt.block_filename(b)).stem + ".*"):   # the block and its optimizer state
+            shutil.copy(f, d / f.name)
+        ckpt.save_config(d, cfg)
+    client = None
+    try:
+        with _env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"):
+            swarm.start_seed(block=0)
+            for b in range(1, cfg.n_blocks):
+                swarm.start_join(block=b, wait=False)
+            for nd in swarm.nodes[1:]:
+                nd.wait_ready(timeout=240)
+        from blocktrain.node.client import NetworkClient
+        client = NetworkClient([swarm.seed_maddr], swarm.run_id)
+        client.generate(prompt, 1, mode)                      # dial every holder once
+        t0 = time.perf_counter()
+        out = client.generate(prompt, s.gen_bytes, mode)
+        wall = time.perf_counter() - t0
+        return {"mode": mode, "bytes": out["bytes_generated"], "traversals": out["traversals"],
+                "latency_s": round(wall, 3), "hops_per_traversal": cfg.n_blocks,
+                "injected_delay_floor_s": out["traversals"] * cfg.n_blocks * 2 * s.delay_ms / 1000}
+    finally:
+        if client is not None:
+            client.close()
+        swarm.stop_all()
+
+
+def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
+                       on_progress: Callable[[str], None] | None = None) -> dict:
+    say = on_progress or (lambda _msg: None)
+    base_cfg = ModelConfig.from_dict(typed_settings(list(s.overrides)), source="bench pipeline config")
+    s.validate(base_cfg)
+    own_dir = workdir is None
+    base = Path(workdir or tempfile.mkdtemp(prefix="bt-bench-pipeline-"))
+    split, data_used = resolve_default(s.data, base_cfg.seq_len, base)
+    windows = eval_windows(split.eval, base_cfg.seq_len, s.eval_windows)
+    prompt = bytes(windows[0, :16].tolist())
+    t_start, runs = time.time(), {}
+    try:
+        for name in s.objectives:
+            net = _Network(name, s, base, data_used)
+            obj, cfg = get_objective(net.cfg), net.cfg
+            g = torch.Generator
+            ce_init = obj.score(obj.local_hops(init_blocks(cfg)), windows, k=2, generator=g().manual_seed(0)).ce
+            try:
+                r = net.train(say)
+            finally:
+                net.swarm.stop_all()
+            chains = _load_chains(cfg, r["workers"])
+            ces = [obj.score(obj.local_hops(c), windows, k=2, generator=g().manual_seed(0)).ce for c in chains]
+            r.update(chain_ce=sum(ces) / len(ces), chain_ce_by_replica=ces, chain_ce_init=ce_init,
+                     ce_kind=obj.ce_kind)
+            first = {}
+            for w in r["workers"]:
+                first.setdefault(w["block"], w["ckpt"])
+            say(f"{name}: chain CE {r['chain_ce']:.4f} (untrained {ce_init:.4f}); serving {s.gen_bytes} bytes")
+            r["serving"] = _serve(cfg, net.sets, [first[b] for b in range(cfg.n_blocks)], s,
+                                  base / f"serve-{_slug(name)}", data_used, prompt)
+            say(f"{name}: {r['serving']['traversals']} traversals, {r['serving']['latency_s']:.2f}s")
+            runs[name] = r
+    finally:
+        if own_dir:
+            shutil.rmtree(base, ignore_errors=True)
+    return {"bench": "pipeline", "protocol": split.protocol, "data": data_used, "config": base_cfg.to_dict(),
+            "settings": asdict(s), "ln256": math.log(256), "runs": runs, "seconds": round(time.time() - t_start, 1),
+            "method": ("equal wall time per objective from the moment all workers are up; chain CE offline from the "
+                       "workers' final checkpoints on the same held-out windows, mean over replica chains; tokens/s: "
+                       "the slowest block's; bytes: pipeline RPC and averaging messages each worker sent (protobuf "
+                       "payloads; libp2p framing not included); memory: node process VmHWM; serving: one holder per "
+                       "block with --inject-delay-ms, one generation after a 1-byte warm-up")}
+
+
+def plot_pipeline(res: dict, path: str | Path) -> Path:
+    """Four bar panels, one bar per objective: chain CE, tokens/s, bytes per worker per step, serving latency."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(res["runs"])
+    panels = [("chain CE, nats/byte (held-out)", lambda r: r["chain_ce"]),
+              ("tokens/s (slowest block)", lambda r: r["tokens_per_s"]),
+              ("KB sent per worker per step", lambda r: (r["bytes_sent_per_worker_per_step"] or 0) / 1e3),
+              (f"serving s, {res['settings']['gen_bytes']} bytes at {res['settings']['delay_ms']:g} ms/hop",
+               lambda r: r["serving"]["latency_s"])]
+    fig, axes = plt.subplots(1, 4, figsize=(14, 3.6))
+    for ax, (title, get) in zip(axes, panels):
+        ax.bar(names, [get(res["runs"][n]) for n in names], color=[f"C{i}" for i in range(len(names))])
+        ax.set_title(title, fontsize=9)
+        ax.tick_params(axis="x", labelsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    s = res["settings"]
+    fig.suptitle(f"bench pipeline: {len(s['plan'])} workers (blocks {s['plan']}), {s['train_s']:g}s of training each, "
+                 f"protocol {res['protocol']}", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,92 @@
+"""bt-node bench pipeline: training along the chain vs block-local, at equal wall time (logic in bench/pipeline.py)."""
+from __future__ import annotations
+
+import click
+from rich.table import Table
+
+from .bench_net_cmds import _f, _mb, _record, _say
+from .errors import friendly
+from .render import emit_json, err_console
+
+
+def pipeline_table(res: dict) -> Table:
+    s = res["settings"]
+    t = Table(title=f"bench pipeline: {len(s['plan'])} workers (blocks {s['plan']}), {s['train_s']:g}s of training "
+                    f"per objective; chain CE on {s['eval_windows']} held-out windows")
+    for col in ("objective", "chain CE", "untrained", "tokens/s", "MB sent", "KB/worker/step", "peak MiB",
+                "stalled s", "lost / done", f"serve {s['gen_bytes']} B: traversals", "serve s"):
+        t.add_column(col, justify="right" if col != "objective" else "left")
+    for name, r in res["runs"].items():
+        sv = r["serving"]
+        t.add_row(name, _f(r["chain_ce"]), _f(r["chain_ce_init"]), _f(r["tokens_per_s"], ".0f"),
+                  _mb(r["bytes_sent_total"]), _f((r["bytes_sent_per_worker_per_step"] or 0) / 1e3, ".1f"),
+                  _f(r["peak_rss_mib_max"], ".0f"), _f(r["stalled_s_total"], ".1f"),
+                  f"{r['microbatches_lost']} / {r['microbatches_completed']}", str(sv["traversals"]),
+                  _f(sv["latency_s"], ".2f"))
+    t.caption = (f"protocol {res['protocol']}; serving at {s['delay_ms']:g} ms one-way per hop. {res['method']}.")
+    return t
+
+
+@click.command("pipeline")
+@click.option("--train-seconds", type=click.FloatRange(1, 86400), default=None,
+              help="Wall time each objective's network trains (default 120; --tiny 10).")
+@click.option("--objective", "objectives", multiple=True, help="Objectives to compare (repeatable; default "
+                                                                "pipeline, forward-streamed, paper).")
+@click.option("--layout", default=None, help="Block per worker, e.g. 0,1,2,3,1,2 (the default).")
+@click.option("--compression", type=click.Choice(["fp32", "fp16", "8bit"]), default=None,
+              help="--pipeline-compression of every worker (default fp32).")
+@click.option("--gen-bytes", type=click.IntRange(1, 1024), default=None, help="Bytes generated for the serving cost "
+                                                                              "(default 256; --tiny 4).")
+@click.option("--delay-ms", type=click.FloatRange(0, 1000), default=None,
+              help="One-way delay per hop while serving (default 25; --tiny 5).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override the model config.")
+@click.option("--data", default="auto", show_default=True)
+@click.option("--plot", type=click.Path(dir_okay=False), default=None,
+              help="Write the bar chart here (PNG; needs matplotlib: the plots extra).")
+@click.option("--record", type=click.Path(dir_okay=False), default=None, help="Append the JSON result to this file.")
+@click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Keep node directories here.")
+@click.option("--tiny", is_flag=True, help="A few seconds per objective, 3 workers over 2 blocks (for the test).")
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def bench_pipeline_cmd(train_seconds, objectives, layout, compression, gen_bytes, delay_ms, overrides, data, plot,
+                       record, workdir, tiny, as_json):
+    """pipeline and forward-streamed vs paper: real node processes, the same wall time each.
+
+    \b
+    Each objective's network (default 6 workers over 4 blocks, blocks 1 and 2 held twice) trains
+    for the same wall time; then its chain CE (from the final checkpoints, same held-out windows),
+    tokens/s, bytes sent, peak memory, stalled time, micro-batches lost, and the serving cost of
+    --gen-bytes bytes through one holder per block with --delay-ms per hop.
+    Example:
+      bt-node bench pipeline --plot docs/bench_pipeline.png
+    """
+    from blocktrain.bench.pipeline import PipelineBenchSettings, plot_pipeline, run_bench_pipeline   # imports hivemind
+
+    if plot:
+        try:
+            import matplotlib  # noqa: F401   (checked before minutes of training, not after)
+        except ImportError:
+            raise click.UsageError("--plot needs matplotlib: pip install 'blocktrain[plots]'") from None
+    s = PipelineBenchSettings.tiny() if tiny else PipelineBenchSettings()
+    s.overrides += list(overrides)
+    s.data = data
+    for name, v in (("train_s", train_seconds), ("compression", compression), ("gen_bytes", gen_bytes),
+                    ("delay_ms", delay_ms)):
+        if v is not None:
+            setattr(s, name, v)
+    if objectives:
+        s.objectives = list(dict.fromkeys(objectives))
+    if layout:
+        try:
+            s.plan = [int(x) for x in layout.split(",")]
+        except ValueError:
+            raise click.BadParameter(f"expected block numbers like 0,1,2,3,1,2, got {layout!r}",
+                                     param_hint="--layout") from None
+    res = run_bench_pipeline(s, workdir=workdir, on_progress=_say(as_json))
+    if plot:
+        res["plot"] = str(plot_pipeline(res, plot))
+    _record(record, res)
+    if as_json:
+        emit_json(res)
+    else:
+        err_console.print(pipeline_table(res))

@@ -1,0 +1,252 @@
+"""The pipeline engine: training along the chain of holders (issue 13; SWARM-style, one block per worker).
+
+For runs whose objective is chain-trained (``pipeline``: backprop through the chain;
+``forward-streamed``: forward traffic only) this replaces the node's local training steps.
+
+* A holder of block 0 reads its own data split and keeps up to ``inflight`` micro-batches in flight:
+  it runs block 0 on one (with gradients), sends h_0 to a holder of block 1 (``NextStage``:
+  stochastic wiring on its own measurements) and, in backprop mode, runs its backward on the
+  gradient that comes back.
+* A holder of block b > 0 serves ``rpc_train`` (:meth:`handle`): it runs its block on the h_{b-1} it
+  receives, calls a holder of block b+1 with h_b, and on the answer dL/dh_b runs its backward and
+  answers dL/dh_{b-1}; the route back is the route forward. The last block computes the loss and
+  answers at once. In streamed mode every block computes its own head's loss on its output, steps
+  on it, and the answers carry no gradient.
+* Each holder accumulates its block's gradients; every ``accumulate`` micro-batches the trainer (the
+  only writer of the weights) takes one optimizer step on their mean. Same-block replicas keep
+  averaging as before (the node's averaging loop, woken every ``average_every`` steps).
+
+Compute runs in one thread per worker, under the trainer's lock; network waits never hold it. A
+forward's graph is kept (not recomputed) until its backward, unless the weights changed meanwhile
+(an optimizer step or an accepted averaging round: ``trainer.weights_version``); then the backward
+recomputes the forward from the stashed input first (hivemind ``ModuleBackend``-style), so the
+gradient is always that of the current weights. Memory: a stage holds at most ``max_stash``
+micro-batches between forward and backward and answers ``busy`` beyond that; a block-0 holder at
+most ``inflight``. Faults: every call carries what is left of the micro-batch's ``timeout_s``; a
+holder that dies or stalls costs the micro-batches it held: its caller tries another holder
+(``retries``) or gives up, and the block-0 holder counts the micro-batch lost. Nothing waits
+unbounded. Dropout > 0 with a recompute draws new masks (as hivemind's recomputing backward does).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from blocktrain.node.pipeline.settings import PipelineSettings
+from blocktrain.node.pipeline.stats import PipelineStats
+from blocktrain.node.routing.pipeline_route import DownstreamFailed, NextStage
+from blocktrain.node.trainer import BlockTrainer
+from blocktrain.p2p.aioloop import LoopThread
+from blocktrain.p2p.errors import HopRequestError
+from blocktrain.p2p.pipeline_rpc import PipelineTraffic
+from blocktrain.p2p.pipeline_wire import StageRequest, StageResponse
+
+log = logging.getLogger(__name__)
+STAGE_MARGIN_S = 0.5      # a stage keeps this much of its caller's deadline for its own backward and answer
+
+
+@dataclass
+class _Work:
+    """One micro-batch at this stage between its forward and its backward."""
+    out: torch.Tensor | None              # h_b to send on (CPU, detached); None at the last block
+    samples: int
+    loss: float | None = None             # the loss computed here (last block, or streamed)
+    grad_in: torch.Tensor | None = None   # dL/dh_{b-1} once known (CPU)
+    x: torch.Tensor | None = None         # backprop, kept graph: the input leaf (None at block 0)
+    h: torch.Tensor | None = None         #   and the output with its graph
+    context: torch.Tensor | None = None   #   block 0's bytes, for a recompute
+    version: int = -1                     #   the weights the graph was built with
+
+
+class PipelineEngine:
+    def __init__(self, trainer: BlockTrainer, *, n_blocks: int, loop: LoopThread, next_stage: NextStage | None,
+                 settings: PipelineSettings, self_peer: str = "", on_step: Callable[[], None] | None = None,
+                 idle: Callable[[], bool] | None = None, traffic: PipelineTraffic | None = None):
+        self.trainer, self.objective = trainer, trainer.objective
+        self.b, self.n_blocks, self.last = trainer.block_index, n_blocks, trainer.block_index == n_blocks - 1
+        self.mode = self.objective.chain_training
+        if self.mode not in ("backprop", "streamed"):
+            raise ValueError(f"objective {self.objective.name!r} is block-local: it has no pipeline to run")
+        if next_stage is None and not self.last:
+            raise ValueError("a stage before the last needs a route to the next block")
+        self.loop, self.next, self.settings, self.self_peer = loop, next_stage, settings, self_peer
+        self.on_step, self.idle = on_step or (lambda: None), idle or (lambda: False)
+        self.stats = PipelineStats()
+        self.traffic = traffic or PipelineTraffic()   # bytes: counted by the wire (client and server side)
+        self.accepting = False          # set by the node once it is online (after a late join)
+        self._held = 0                  # micro-batches this stage holds (loop thread only)
+        self._starved = False           # block 0 found no holder of block 1: the driver waits a while
+        self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bt-pipe-compute")
+
+    # -- compute (one thread, under the trainer's lock) ---------------------------------------------
+    async def _in_compute(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._compute, self._timed, fn, args)
+
+    def _timed(self, fn, args):
+        self.stats.activity.change(computing=1)
+        try:
+            return fn(*args)
+        finally:
+            self.stats.activity.change(computing=-1)
+
+    def _forward(self, h_in: torch.Tensor | None, context: torch.Tensor | None, targets: torch.Tensor) -> _Work:
+        """Run block b on one micro-batch. At the last block, and in streamed mode at every block, the
+        loss and its backward too (the micro-batch is then done here); else keep the graph."""
+        t, obj, dev = self.trainer, self.objective, self.trainer.device
+        n = int(targets.shape[0])
+        with t.lock:
+            t.module.train()
+            x = None if h_in is None else h_in.to(dev)
+            ctx = None if context is None else context.to(dev)
+            keep = self.mode == "backprop" and not self.last
+            if x is not None and self.mode == "backprop":
+                x.requires_grad_(True)
+            h = obj.stage_forward(t.module, self.b, x, ctx)
+            if keep:
+                return _Work(h.detach().cpu(), n, x=x, h=h, context=ctx, version=t.weights_version)
+            loss, _ = obj.stage_loss(t.module, self.b, h, targets.to(dev))
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"non-finite loss at block {self.b}")
+            loss.backward()
+            grad_in = x.grad.detach().cpu() if x is not None and x.grad is not None else None
+            work = _Work(None if self.last else h.detach().cpu(), n, float(loss.detach()), grad_in)
+            self._accumulated(work.samples, work.loss)
+        return work
+
+    def _backward(self, work: _Work, grad_out: torch.Tensor, loss: float | None) -> torch.Tensor | None:
+        """Backprop mode: dL/dh_b -> the block's gradients (accumulated) and dL/dh_{b-1}."""
+        t = self.trainer
+        with t.lock:
+            x, h = work.x, work.h
+            if work.version != t.weights_version:   # the weights moved since the forward: recompute it
+                self.stats.add("recomputed")
+                t.module.train()
+                x = None if x is None else x.detach().requires_grad_(True)
+                h = self.objective.stage_forward(t.module, self.b, x, work.context)
+            h.backward(grad_out.to(h.device, h.dtype))
+            work.x = work.h = None
+            self._accumulated(work.samples, loss)
+            return None if x is None else x.grad.detach().cpu()
+
+    def _accumulated(self, samples: int, loss: float | None) -> None:
+        """One more micro-batch in the block's gradients; every ``accumulate`` of them, a step."""
+        t = self.trainer
+        self.stats.add("microbatches_accumulated")
+        if t.add_microbatch(samples, loss) >= self.settings.accumulate:
+            idle = self.idle()
+            if t.step_accumulated(apply=not idle) is not None:
+                self.stats.add("steps")
+                self.on_step()
+
+    # -- a stage: serve rpc_train ---------------------------------------------------------------------
+    async def handle(self, req: StageRequest) -> StageResponse:
+        """The TrainHandler of ``p2p.pipeline_rpc``: raises HopRequestError (busy, downstream, ...)."""
+        if not self.accepting:
+            self.stats.add("refused_busy")
+            raise HopRequestError("busy", "this holder is not training yet (still joining)")
+        if self._held >= self.settings.max_stash:
+            self.stats.add("refused_busy")
+            raise HopRequestError("busy", f"this stage holds {self._held} micro-batches, its limit")
+        self._held += 1
+        self.stats.held(self._held)
+        self.stats.add("received")
+        self.stats.activity.change(inflight=1)
+        t0 = time.monotonic()
+        try:
+            work = await self._in_compute(self._forward, req.state, None, req.targets)
+            own = {self.b: work.loss} if work.loss is not None else {}
+            if self.last:
+                self.stats.add("answered")
+                return StageResponse(req.request_id, work.grad_in, work.loss, own, [self.self_peer])
+            left = req.deadline_s - (time.monotonic() - t0) - STAGE_MARGIN_S
+            resp = await self._send(work.out, req.targets, left, req.origin)
+            grad = None
+            if self.mode == "backprop":
+                grad = await self._in_compute(self._backward, work, resp.grad, resp.loss)
+            self.stats.add("answered")
+            return StageResponse(req.request_id, grad, resp.loss, {**own, **resp.losses},
+                                 [self.self_peer, *resp.route])
+        except DownstreamFailed as e:
+            self.stats.add("failed_downstream")
+            code = "timeout" if e.reason == "timeout" else "downstream"
+            raise HopRequestError(code, f"block {self.b + 1} and on: {e}") from None
+        except FloatingPointError as e:
+            raise HopRequestError("internal", str(e)) from None
+        finally:
+            self._held -= 1
+            self.stats.activity.change(inflight=-1)
+
+    async def _send(self, out: torch.Tensor, targets: torch.Tensor, deadline_s: float, origin: str) -> StageResponse:
+        resp = await self.next.send(self.b + 1, out, targets, deadline_s, origin)
+        self.stats.add("sent")
+        return resp
+
+    # -- a block-0 holder: read data, keep micro-batches in flight ------------------------------------
+    async def _microbatch(self, windows: torch.Tensor) -> None:
+        if not self.last and not await self.next.any_holder(self.b + 1):
+            self._starved = True     # nobody to send to yet: nothing computed, nothing lost
+            return
+        self.stats.add("started")
+        self.stats.activity.change(inflight=1)
+        try:
+            ctx, y = windows[:, :-1], windows[:, 1:]
+            work = await self._in_compute(self._forward, None, ctx, y)
+            if not self.last:
+                resp = await self._send(work.out, y, self.settings.timeout_s, self.self_peer)
+                if self.mode == "backprop":
+                    await self._in_compute(self._backward, work, resp.grad, resp.loss)
+            self.stats.add("completed")
+        except DownstreamFailed as e:
+            self.stats.lose(e.reason)
+        except FloatingPointError:
+            self.stats.lose("non_finite")
+        except Exception:   # a bug must not pass silently, nor stop the driver
+            log.exception("pipeline micro-batch failed")
+            self.stats.lose("error")
+        finally:
+            self.stats.activity.change(inflight=-1)
+
+    def run(self, stop: threading.Event) -> None:
+        """The node's train loop body: block 0 drives micro-batches; other blocks only serve."""
+        self.accepting = True
+        if self.b != 0:
+            stop.wait()
+            return
+        slots = threading.BoundedSemaphore(self.settings.inflight)
+        t = self.trainer
+        while not stop.is_set():
+            if self.idle() or self._starved:
+                self._starved = False
+                stop.wait(0.5 if self.idle() else 1.0)
+                continue
+            t0 = time.monotonic()
+            while not slots.acquire(timeout=0.5):
+                if stop.is_set():
+                    return
+            self.stats.waited(time.monotonic() - t0)
+            windows = t.sampler.next_batch(t.cfg.batch_size)
+            try:
+                fut = self.loop.submit(self._microbatch(windows))
+            except RuntimeError:   # the event loop is gone: the node is stopping
+                slots.release()
+                return
+            fut.add_done_callback(lambda _f: slots.release())
+
+    # -- reporting and teardown ----------------------------------------------------------------------
+    def status(self) -> dict:
+        s = self.settings
+        return {"mode": self.mode, "block": self.b, "last": self.last, "held_now": self._held,
+                "settings": {"inflight": s.inflight, "accumulate": s.accumulate, "compression": s.codec,
+                             "timeout_s": s.timeout_s, "max_stash": s.max_stash, "retries": s.retries},
+                **self.stats.snapshot(), "traffic": self.traffic.snapshot()}
+
+    def close(self) -> None:
+        self.accepting = False
+        self._compute.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,27 @@
+"""The pipeline engine's settings (per worker), validated; no heavy imports (the CLI checks flags here)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CODECS = ("fp32", "fp16", "8bit")   # the same names as p2p.pipeline_wire.CODECS (checked by the tests)
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    inflight: int = 4            # micro-batches a block-0 holder keeps in flight
+    accumulate: int = 1          # micro-batches per optimizer step
+    codec: str = "fp32"          # what this worker sends: fp32 | fp16 | 8bit (answers use the caller's)
+    timeout_s: float = 60.0      # one micro-batch's whole budget, from block 0 and back
+    max_stash: int = 16          # micro-batches a stage holds between forward and backward (then: busy)
+    retries: int = 2             # other holders of the next block tried after a failure
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ValueError(f"pipeline compression must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        for name in ("inflight", "accumulate", "max_stash"):
+            if not 1 <= getattr(self, name) <= 4096:
+                raise ValueError(f"pipeline {name} must be in [1, 4096], got {getattr(self, name)}")
+        if not 1.0 <= self.timeout_s <= 600.0:
+            raise ValueError(f"pipeline timeout must be in [1, 600] seconds, got {self.timeout_s}")
+        if not 0 <= self.retries <= 16:
+            raise ValueError(f"pipeline retries must be in [0, 16], got {self.retries}")

@@ -1,0 +1,116 @@
+"""The pipeline's wire adapter and stochastic wiring: send a stage's output to a holder of the next block.
+
+Next to ``hops.py`` (a generation hop as the wire carries it), this is a training micro-batch as
+the wire carries it: the state h_b leaves as a ``p2p.pipeline_wire.StageRequest`` to one holder of
+block b+1, and the validated answer (dL/dh_b in backprop mode, the losses further down, the route)
+comes back. Which holder: drawn at random with probability proportional to 1 / cost as this node
+measured it (``HolderRanking.pick``: round trips of earlier calls, busy answers and failures), among
+the live announced holders (read from the DHT at most every few seconds, so a holder that just
+joined and announced is used from then on). Failures:
+
+* ``busy`` (the holder holds as many micro-batches as it may): back off briefly and draw again;
+* the holder failed or did not answer (unreachable, timeout, bad answer): recorded, banned for a
+  while, and another holder is tried, at most ``retries`` times;
+* a stage further down failed (``downstream``, ``timeout``): the holder itself was fine; another
+  holder of b+1 is tried (it may route around the failure), within the same ``retries``.
+
+Every call is bounded by what is left of the micro-batch's deadline; when nothing is left, or no
+holder remains, :class:`DownstreamFailed` ends the micro-batch (the caller counts it lost).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Awaitable, Callable
+
+import torch
+
+from blocktrain.node.routing.bans import PeerBans
+from blocktrain.node.routing.ranking import HolderRanking
+from blocktrain.p2p.errors import HopRequestError, HopTimeoutError, RemoteHopError
+from blocktrain.p2p.pipeline_rpc import PipelineClient
+from blocktrain.p2p.pipeline_wire import StageRequest, StageResponse
+
+MIN_CALL_S = 0.3          # no call is started with less time than this left
+ANSWER_MARGIN_S = 0.2     # what a callee is told it has: our remaining time less this (the answer's trip)
+
+
+class DownstreamFailed(RuntimeError):
+    """The micro-batch could not be carried past this stage; ``reason`` is a short machine word."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+class NextStage:
+    def __init__(self, client: PipelineClient, holders: Callable[[int, bool], Awaitable[list[str]]], *,
+                 mode: str, codec: str, self_peer: str, ranking: HolderRanking | None = None,
+                 bans: PeerBans | None = None, retries: int = 2, on_event: Callable[[str], None] | None = None):
+        self.client, self.holders, self.mode, self.codec = client, holders, mode, codec
+        self.self_peer, self.retries = self_peer, retries
+        self.ranking = ranking or HolderRanking()
+        self.bans = bans or PeerBans(ban_seconds=10.0)
+        self.on_event = on_event or (lambda _e: None)   # "retried", "busy", "failed_calls"
+
+    async def any_holder(self, block: int) -> bool:
+        """Is any holder of ``block`` announced (and not banned)? Read from the DHT at most every few seconds."""
+        return any(p != self.self_peer and not self.bans.is_banned(p) for p in await self.holders(block, False))
+
+    async def send(self, block: int, state: torch.Tensor, targets: torch.Tensor, deadline_s: float,
+                   origin: str = "") -> StageResponse:
+        """Carry (state, targets) to a holder of ``block``; its answer, or DownstreamFailed."""
+        deadline = time.monotonic() + deadline_s
+        tried: set[str] = set()
+        failures, backoff, fresh, last = 0, 0.05, False, "no holder was asked"
+        rid = uuid.uuid4().hex
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining < MIN_CALL_S:
+                raise DownstreamFailed("timeout", f"no time left to reach block {block} ({last})")
+            announced = await self.holders(block, fresh)
+            cands = [p for p in announced if p != self.self_peer and p not in tried and not self.bans.is_banned(p)]
+            if not cands:
+                if not fresh:        # read the DHT once more before giving up
+                    fresh = True
+                    continue
+                raise DownstreamFailed("no_holder", f"no live holder of block {block} left to ask ({last})")
+            peer = self.ranking.pick(cands)
+            req = StageRequest(block, state, targets, self.mode, self.codec,
+                               deadline_s=min(600.0, max(0.1, remaining - ANSWER_MARGIN_S)),
+                               request_id=f"{rid}-{failures}", origin=origin)
+            t0 = time.monotonic()
+            try:
+                resp = await self.client.call(peer, req, timeout=remaining)
+            except HopRequestError as e:      # nothing left this node: our own state is unsendable
+                raise DownstreamFailed("unsendable", f"cannot send the state to block {block}: {e}") from None
+            except RemoteHopError as e:
+                last = f"{peer[-8:]}: {e.code}: {e.reason}"[:300]
+                if e.code == "busy":          # alive and full: back off, then draw again (it may be picked again)
+                    self.on_event("busy")
+                    self.ranking.record_failure(peer, "busy")
+                    if len(cands) > 1:
+                        tried.add(peer)
+                    await asyncio.sleep(min(backoff, max(0.0, remaining / 4)))
+                    backoff = min(1.0, backoff * 2)
+                    continue
+                self.on_event("failed_calls")
+                if e.code not in ("downstream", "timeout"):   # the holder itself failed us
+                    self.ranking.record_failure(peer, str(e))
+                    self.bans.ban(peer, f"pipeline block {block}: {e}")
+                tried.add(peer)
+            except HopTimeoutError as e:
+                last = f"{peer[-8:]}: {e}"[:300]
+                self.on_event("failed_calls")
+                self.ranking.record_failure(peer, "no answer in time")
+                self.bans.ban(peer, f"pipeline block {block}: {e}")
+                tried.add(peer)
+            else:
+                self.ranking.record_success(peer, time.monotonic() - t0)
+                self.bans.forgive([peer])
+                return resp
+            failures += 1
+            if failures > self.retries:
+                raise DownstreamFailed("failed", f"block {block}: {failures} holder(s) failed ({last})")
+            self.on_event("retried")
