@@ -19,7 +19,10 @@ worker that receives its input activations (``forward-streamed``) does not run.
 the default "constant" is the network's schedule (warm-up, then constant).
 
 Chain-trained objectives (``pipeline``, ``forward-streamed``) take one step of all their blocks
-together per round, on one batch (``chain_train.chain_step``), as the network's engine does.
+together per round, on one batch (``chain_train.chain_step``), as the network's engine does. Each
+block is charged what its holder runs of that step (``chain_train.stage_step_flops``): its stage from
+the state it receives (forward-streamed: no upstream forward), its loss and backward (pipeline: the
+gradient w.r.t. its input included); ``upstream_flops`` is 0.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ import torch
 
 from . import checkpoint as ckpt
 from .budget import Budget
-from .chain_train import chain_step
+from .chain_train import chain_step, stage_step_flops
 from .config import ModelConfig
 from .data import DataSplit
 from .windows import WindowSampler, eval_windows
@@ -117,7 +120,10 @@ class LocalRun:
             w = w.repeat((n + w.shape[0] - 1) // w.shape[0], 1)[:n]
         w = w.to(self.device)
         upstream_state = getattr(self.objective, "upstream_state", None)
-        for b, tr in enumerate(self.trainees[:len(self.blocks)]):
+        if self.blocks and not self.objective.block_local:   # what each block's holder runs of a chain step
+            for tr, f in zip(self.trainees, stage_step_flops(self.objective, self.blocks, w)):
+                tr.step_flops = scale * f
+        for b, tr in enumerate(self.trainees[:len(self.blocks)] if self.objective.block_local else []):
             gen = torch.Generator().manual_seed(0)
             up = self.blocks[:b] if self.objective.needs_upstream else None
             tr.step_flops = scale * measure_step_flops(

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from blocktrain.blocks.budget import Budget, BudgetError
+from blocktrain.blocks.chain_train import chain_gradients, stage_step_flops
 from blocktrain.blocks.data import DataError, DataSplit, carve_validation, resolve_data
 from blocktrain.blocks.flops import measure_step_flops, measured_flops
 from blocktrain.blocks.local_run import LocalRun
@@ -73,6 +74,34 @@ def test_counting_one_window_and_scaling_equals_counting_the_batch():
         one = LocalRun(cfg, split, torch.device("cpu"), reference=True, small_reference=True, flops_batch=1)
         assert [tr.step_flops for tr in one.trainees] == [tr.step_flops for tr in full.trainees]
         assert full.round_flops() > 0
+
+
+def test_chain_trained_blocks_are_charged_what_their_holders_run():
+    """pipeline: the blocks' steps add up to the whole-depth model's step (block b > 0 also computes the
+    gradient w.r.t. its input); forward-streamed: block b runs one block's layers and head from the
+    activations it receives, no upstream forward (forward-chained's step less its upstream forwards)."""
+    split = resolve_data(str(TEST_CORPUS))
+    n_blocks, n, t, d = 3, 4, 32, 32
+    one = flop_formulas.ar_train_step(n, t, d, 1)
+    whole = flop_formulas.ar_train_step(n, t, d, n_blocks)
+    fc = LocalRun(tiny_config(objective="forward-chained", n_blocks=n_blocks), split, torch.device("cpu"),
+                  reference=False)
+    for objective in ("pipeline", "forward-streamed"):
+        cfg = tiny_config(objective=objective, n_blocks=n_blocks, batch_size=n, seq_len=t, d_model=d)
+        run = LocalRun(cfg, split, torch.device("cpu"), reference=True, small_reference=True)
+        obj, w = run.objective, windows(n, t)
+        per_block = stage_step_flops(obj, run.blocks, w)
+        assert all(p.grad is None for m in run.blocks for p in m.parameters())   # counting leaves none
+        assert sum(per_block) == measured_flops(lambda: chain_gradients(obj, run.blocks, w))
+        steps = [tr.step_flops for tr in run.trainees[:n_blocks]]
+        assert steps == per_block and all(tr.upstream_flops == 0 for tr in run.trainees)
+        assert run.trainees[n_blocks].step_flops == whole and run.trainees[-1].step_flops == one
+        if objective == "pipeline":
+            assert sum(steps) == whole and steps[-1] == one
+        else:
+            assert steps == [one] * n_blocks
+            assert steps == [tr.step_flops - tr.upstream_flops for tr in fc.trainees]
+        assert run.round_flops_streamed() == run.round_flops()
 
 
 # -- learning-rate schedules ----------------------------------------------------------------------------------
