@@ -72,7 +72,8 @@ def markdown_table(summary: dict) -> str:
     """The table BENCHMARKS.md records (nats/byte; differences are arm minus reference)."""
     refs = [r for r in REFERENCE_ARMS if any(r == row["arm"] for row in summary["rows"])]
     head = ["arm", "lr", "seeds", "train CE", "held-out CE mean (seed range)"] + \
-        [f"minus {r} [95% CI]" for r in refs] + ["FLOPs per round (streamed)", "epochs", "train s wall (CPU)"]
+        [f"minus {r} [95% CI]" for r in refs] + ["FLOPs per arm", "FLOPs per round (streamed)", "epochs",
+                                                          "train s wall (CPU)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in summary["rows"]:
         lo, hi = row["heldout_range"]
@@ -81,7 +82,8 @@ def markdown_table(summary: dict) -> str:
                  f"{row['heldout_ce']:.3f} ({lo:.3f}-{hi:.3f})"]
         cells += [_ci(row["diffs"][r]) if r in row["diffs"] else "" for r in refs]
         fpr, fps = row["flops_per_round"], row["flops_per_round_streamed"]
-        cells += [f"{fpr:.3g}" + (f" ({fps:.3g})" if fps < fpr else ""), f"{row['epochs']:.3f}",
+        cells += [f"{row['flops_total']:.3g}", f"{fpr:.3g}" + (f" ({fps:.3g})" if fps < fpr else ""),
+                  f"{row['epochs']:.3f}",
                   f"{row['train_seconds']:.0f} ({row['train_cpu_seconds']:.0f})"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

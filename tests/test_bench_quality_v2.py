@@ -38,18 +38,18 @@ def tiny_study(tmp_path_factory):
 def test_tiny_preset_runs_the_whole_protocol(tiny_study):
     out, res, _ = tiny_study
     assert res["protocol"] == "v2" and res["seeds"] == [0, 1]
-    arms = ["paper", "forward-chained", "one-block", "whole", "one-block@streamed"]
+    arms = ["paper", "forward-chained", "forward-streamed", "pipeline", "one-block", "whole", "one-block@streamed"]
     assert res["arms"] == arms
     # the learning rate of each arm kind is the grid point with the lowest validation CE
     sweep = res["lr_sweep"]
     assert sweep["grid"] == [1e-3, 2e-3, 4e-3] and "carved from train" in sweep["validation_protocol"]
-    for kind in ("paper", "forward-chained", "one-block", "whole"):
+    for kind in ("paper", "forward-chained", "forward-streamed", "pipeline", "one-block", "whole"):
         scores = sweep["scores"][kind]
         assert len(scores) == 3
         assert sweep["choice"][kind] == float(min(scores, key=scores.get))
         assert res["lr"][kind] == {"lr": sweep["choice"][kind], "source": "validation sweep"}
     runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
-    assert len(runs) == 10 and len({r["windows_digest"] for r in runs}) == 1
+    assert len(runs) == 14 and len({r["windows_digest"] for r in runs}) == 1
     budget = float(res["settings"]["budget"].removesuffix("steps")) * runs_of(runs, "paper")[0]["flops_per_round"]
     for r in runs:
         assert len(r["heldout_per_window"]) == 48 and r["heldout_ce"] == pytest.approx(
@@ -75,6 +75,11 @@ def test_tiny_preset_runs_the_whole_protocol(tiny_study):
     fc = rows["forward-chained"]
     assert fc["flops_per_round_streamed"] < fc["flops_per_round"]                     # upstream forwards
     assert rows["paper"]["flops_per_round_streamed"] == rows["paper"]["flops_per_round"]
+    # chain-trained arms are charged what their workers run: forward-streamed's blocks receive their
+    # inputs (forward-chained's round less its upstream forwards); pipeline's blocks make the whole model
+    fs = rows["forward-streamed"]
+    assert fs["flops_per_round"] == fs["flops_per_round_streamed"] == fc["flops_per_round_streamed"]
+    assert rows["pipeline"]["flops_per_round"] == rows["whole"]["flops_per_round"]
     assert "| forward-chained |" in res["table"] and json.loads((out / "summary.json").read_text())["table"]
 
 
