@@ -1,8 +1,10 @@
-"""bench quality: the objective's chain vs end-to-end references at EQUAL training FLOPs.
+"""bench quality, protocol v1 (``--protocol v1``): the objective's chain vs end-to-end references at
+EQUAL training FLOPs, interleaved in one run.
 
 Trains the objective's B blocks, an autoregressive reference of the whole depth and one of one
-block's depth, each taking as many steps as the chain's analytic training FLOPs buy it (no
-network: everything in this process), then scores all on the same held-out windows.
+block's depth, each taking as many steps as the chain's measured training FLOPs buy it (no
+network: everything in this process), then scores all on the same held-out windows. Protocol v2
+(the default; issue 13) is in ``quality_v2.py``.
 """
 from __future__ import annotations
 

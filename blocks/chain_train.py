@@ -10,6 +10,8 @@ chain runs every block's ``stage_forward`` on one batch, in order, then the loss
 Then each block clips its own gradient and steps its own optimizer, as a worker of the network
 does. :func:`chain_gradients` stops before the step and also returns the gradient w.r.t. each stage
 boundary (the activation gradients a network sends back), for tests and benchmarks.
+:func:`stage_step_flops` counts what each block's holder runs of such a step (``LocalRun`` charges
+chain-trained blocks with it).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from .config import ModelConfig
+from .flops import measured_flops
 from .objectives.base import Objective
 from .train import lr_at
 
@@ -59,18 +62,57 @@ def chain_gradients(objective: Objective, blocks: Sequence[nn.Module], windows: 
 
 
 def chain_step(objective: Objective, blocks: Sequence[nn.Module], opts: Sequence[torch.optim.Optimizer],
-               cfg: ModelConfig, step: int, windows: torch.Tensor) -> list[dict]:
+               cfg: ModelConfig, step: int, windows: torch.Tensor, *, lr: float | None = None) -> list[dict]:
     """One step of every block on one batch; per block {"loss", "grad_norm"} ("loss": the chain's
-    loss for backprop, the block's own for streamed)."""
+    loss for backprop, the block's own for streamed). ``lr``: this step's learning rate (default
+    ``lr_at(step, cfg)``, warm-up then constant)."""
     for opt in opts:
         opt.zero_grad(set_to_none=True)
     got = chain_gradients(objective, blocks, windows)
     stats = []
     for b, (m, opt) in enumerate(zip(blocks, opts)):
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
+            g["lr"] = lr_at(step, cfg) if lr is None else lr
         gnorm = torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.grad_clip)
         opt.step()
         loss = got.losses.get(b, got.losses[max(got.losses)])
         stats.append({"loss": loss, "grad_norm": float(gnorm)})
     return stats
+
+
+def stage_step_flops(objective: Objective, blocks: Sequence[nn.Module], windows: torch.Tensor) -> list[int]:
+    """Measured FLOPs (``flops.measured_flops``) of what the holder of each block runs in one chain
+    step on ``windows``: its ``stage_forward`` from the state it *receives* (computed beforehand, not
+    counted: a worker does not run the blocks before it), its ``stage_loss`` where it has one, and its
+    backward ("backprop": block b < B-1 from an output gradient of its output's shape, and a gradient
+    w.r.t. its input for b > 0, which it sends back; "streamed": its own loss, input detached).
+    Their sum is the FLOPs of :func:`chain_gradients` on the same windows. Gradients are cleared."""
+    mode = objective.chain_training
+    if mode not in ("backprop", "streamed"):
+        raise ValueError(f"objective {objective.name!r} trains block-locally, not along the chain")
+    ctx, y = windows[:, :-1], windows[:, 1:]
+    inputs: list[torch.Tensor | None] = [None]
+    with torch.no_grad():
+        for b, m in enumerate(blocks[:-1]):
+            inputs.append(objective.stage_forward(m, b, inputs[-1], ctx if b == 0 else None))
+    out = []
+    for b, m in enumerate(blocks):
+        was = m.training
+        m.train()
+        h_in = inputs[b]
+        if h_in is not None:
+            h_in = h_in.detach().requires_grad_(mode == "backprop")
+
+        def step(b=b, m=m, h_in=h_in):
+            h = objective.stage_forward(m, b, h_in, ctx if b == 0 else None)
+            if objective.stage_has_loss(b):
+                objective.stage_loss(m, b, h, y)[0].backward()
+            else:
+                h.backward(torch.ones_like(h))
+
+        try:
+            out.append(measured_flops(step))
+        finally:
+            m.zero_grad(set_to_none=True)
+            m.train(was)
+    return out

@@ -26,7 +26,7 @@ import numpy as np
 
 __all__ = [
     "DataError", "ByteCorpus", "DataSplit", "HF_DATASETS", "TEXT_SUFFIXES",
-    "load_source", "resolve_data", "describe_bytes",
+    "load_source", "resolve_data", "describe_bytes", "carve_validation",
 ]
 
 
@@ -223,6 +223,9 @@ class DataSplit:
     train_name: str = ""
     eval_name: str = ""
     notes: tuple[str, ...] = field(default=())
+    #: sizes of the books ``train`` joins with b"\n", in order, when the source lists them (Gutenberg's
+    #: MANIFEST.tsv); empty when unknown
+    train_books: tuple[int, ...] = field(default=())
 
 
 def _is_gutenberg(path: Path) -> bool:
@@ -235,6 +238,53 @@ def _is_gutenberg(path: Path) -> bool:
     except OSError:
         return False
     return "ebook" in header and "split" in header
+
+
+def _manifest_train_books(folder: Path, n_train: int) -> tuple[int, ...]:
+    """Train book sizes from ``MANIFEST.tsv`` (columns ``bytes`` and ``split``), if they add up to
+    ``train.txt`` joined with one b"\n" between books; else ()."""
+    try:
+        with open(folder / "MANIFEST.tsv", encoding="utf-8") as f:
+            header = f.readline().rstrip("\n").split("\t")
+            i_bytes, i_split = header.index("bytes"), header.index("split")
+            sizes = tuple(int(cols[i_bytes]) for cols in (line.rstrip("\n").split("\t") for line in f)
+                          if len(cols) > max(i_bytes, i_split) and cols[i_split] == "train")
+    except (OSError, ValueError, UnicodeDecodeError):
+        return ()
+    return sizes if sizes and sum(sizes) + len(sizes) - 1 == n_train else ()
+
+
+def carve_validation(split: DataSplit, fraction: float = 0.025) -> tuple[DataSplit, DataSplit]:
+    """Cut a validation part off the END of the training bytes (never from the evaluation bytes).
+
+    Returns ``(training, validation)``: ``training`` trains on the head and keeps ``split``'s
+    evaluation bytes; ``validation`` trains on the same head and evaluates on the tail. When the
+    split knows its books (``train_books``) the tail is the fewest whole final books holding at least
+    ``fraction`` of the bytes (as test holds out whole books); otherwise the last ``fraction``."""
+    if not 0.0 < fraction < 0.5:
+        raise DataError(f"validation fraction must be in (0, 0.5), got {fraction!r}")
+    n = len(split.train)
+    head_end = tail_start = n - int(round(n * fraction))
+    what = f"last {_pct(fraction)} of the train bytes"
+    if split.train_books:
+        books, tail = 0, 0
+        for size in reversed(split.train_books[1:]):
+            books, tail = books + 1, tail + size + 1      # the book and the b"\n" before it
+            if tail >= n * fraction:
+                break
+        head_end, tail_start, what = n - tail, n - tail + 1, f"last {books} train book(s)"
+    if head_end < 2 or n - tail_start < 2:
+        raise DataError(f"{split.train_name}: {describe_bytes(n)} is too small to carve a validation part")
+    head, tail_bytes = split.train[:head_end], split.train[tail_start:]
+    train_name = f"{split.train_name} without its {what}"
+    training = DataSplit(head, split.eval, f"{split.protocol}; trained without the validation part",
+                         f"train {train_name}: {describe_bytes(len(head))}; eval {split.eval_name}: "
+                         f"{describe_bytes(len(split.eval))}", train_name, split.eval_name, split.notes)
+    val_name = f"{split.train_name}[{what}]"
+    validation = DataSplit(head, tail_bytes, f"{split.protocol}; validation = {what} (carved from train)",
+                           f"train {train_name}: {describe_bytes(len(head))}; validation {val_name}: "
+                           f"{describe_bytes(len(tail_bytes))}", train_name, val_name, split.notes)
+    return training, validation
 
 
 def _pct(x: float) -> str:
@@ -267,6 +317,7 @@ def resolve_data(src: str | os.PathLike[str], eval_src: str | os.PathLike[str] |
     s, lab = corpus.splits, corpus.labels
 
     evaluation: np.ndarray | None = None
+    books: tuple[int, ...] = ()
     eval_name = ""
     protocol = ""
     if corpus.kind == "wikitext-raw":
@@ -293,6 +344,7 @@ def resolve_data(src: str | os.PathLike[str], eval_src: str | os.PathLike[str] |
         if "test" in s:
             evaluation, eval_name = s["test"], lab["test"]
             protocol = "gutenberg-offline" if _is_gutenberg(Path(corpus.source)) else "train.txt/test.txt"
+        books = _manifest_train_books(Path(corpus.source), len(train))
     elif corpus.kind == "hf":
         train, train_name = s["train"], lab["train"]
         evaluation, eval_name = s["test"], lab["test"]
@@ -328,4 +380,4 @@ def resolve_data(src: str | os.PathLike[str], eval_src: str | os.PathLike[str] |
                             f"need at least {window} bytes (one window of seq_len+1)")
     description = (f"train {train_name}: {describe_bytes(len(train))}; "
                    f"eval {eval_name}: {describe_bytes(len(evaluation))}")
-    return DataSplit(train, evaluation, protocol, description, train_name, eval_name, notes)
+    return DataSplit(train, evaluation, protocol, description, train_name, eval_name, notes, books)

@@ -1,11 +1,9 @@
-"""bt-node train-local / eval / bench quality: training and scoring without a network (bench quality's
-logic: bench/quality.py)."""
+"""bt-node train-local / eval: training and scoring without a network (``bench quality``: quality_cmd.py)."""
 from __future__ import annotations
 
 import click
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from blocktrain.bench.quality import quality_result, quality_run
 from blocktrain.blocks.budget import Budget
 from blocktrain.blocks.data import resolve_data
 from blocktrain.blocks.device import pick_device
@@ -26,7 +24,7 @@ def data_options(fn):
     return fn
 
 
-def _train(run: LocalRun, budget: Budget, quiet: bool) -> None:
+def train_with_progress(run: LocalRun, budget: Budget, quiet: bool) -> None:
     """Train ``run`` for ``budget`` with a progress bar on stderr (none when ``quiet``)."""
     if not quiet:
         err_console.print(f"[bold]data[/]: {run.split.description}  [bold]protocol[/]: {run.split.protocol}")
@@ -69,12 +67,12 @@ def train_local(data, eval_data, config_path, objective, overrides, budget, out,
     budget = Budget.parse(budget)
     split = resolve_data(data, eval_data, seq_len=cfg.seq_len)
     run = LocalRun(cfg, split, pick_device(device), seed=seed, reference=reference)
-    _train(run, budget, as_json)
+    train_with_progress(run, budget, as_json)
     res = run.evaluate(n_windows=eval_windows, k=k)
     if out:
         run.save(out)
         res["checkpoint"] = str(out)
-    _report(res, as_json, "train-local")
+    report(res, as_json, "train-local")
 
 
 @click.command("eval")
@@ -95,43 +93,10 @@ def eval_cmd(checkpoint, data, eval_data, device, k, eval_windows, as_json):
     """
     split = resolve_data(data, eval_data)
     res = evaluate_checkpoint_dir(checkpoint, split, device=pick_device(device), k=k, n_windows=eval_windows)
-    _report(res, as_json, f"eval {checkpoint}")
+    report(res, as_json, f"eval {checkpoint}")
 
 
-@click.command("quality")
-@data_options
-@config_options
-@click.option("--budget", default="120s", show_default=True, help="'500steps' or wall time ('120s').")
-@click.option("--device", default="auto", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--k", "k", type=int, default=4, show_default=True)
-@click.option("--eval-windows", type=int, default=64, show_default=True)
-@click.option("--upstream-every", type=click.IntRange(min=1), default=1, show_default=True,
-              help="forward-chained, forward-residual: block b refreshes its snapshots of blocks < b every N rounds "
-                   "(1 = always current; larger = the staleness of a networked worker).")
-@click.option("--json", "as_json", is_flag=True)
-@friendly
-def bench_quality(data, eval_data, config_path, objective, overrides, budget, device, seed, k,
-                  eval_windows, upstream_every, as_json):
-    """BlockTrain vs end-to-end references at EQUAL training FLOPs on the same data and windows.
-
-    \b
-    Trains the objective's B blocks, an autoregressive reference of the whole depth and one of
-    one block's depth, each taking as many steps as the chain's analytic training FLOPs buy it,
-    then scores all on the same held-out windows.
-    Example:
-      bt-node bench quality --data ../shared/data/wikitext-2-raw --budget 120s --json
-    """
-    cfg = build_config(config_path, objective, overrides)
-    budget = Budget.parse(budget)
-    split = resolve_data(data, eval_data, seq_len=cfg.seq_len)
-    run = quality_run(cfg, split, pick_device(device), seed=seed, upstream_every=upstream_every)
-    _train(run, budget, as_json)
-    res = quality_result(run, k=k, eval_windows=eval_windows)
-    _report(res, as_json, "bench quality (equal training FLOPs)")
-
-
-def _report(res: dict, as_json: bool, title: str) -> None:
+def report(res: dict, as_json: bool, title: str) -> None:
     if as_json:
         emit_json(res)
     else:

@@ -11,7 +11,8 @@ from .bench_resource_cmds import bench_memory_cmd, bench_throughput_cmd
 from .bench_net_cmds import bench_compression_cmd, bench_inference_cmd, bench_p2p_cmd, bench_swarm_cmd
 from .bench_pipeline_cmd import bench_pipeline_cmd
 from .bench_sim_cmd import bench_simulate_cmd
-from .local_cmds import bench_quality, eval_cmd, train_local
+from .local_cmds import eval_cmd, train_local
+from .quality_cmd import bench_quality
 from .node_cmds import export, generate, join, seed, status
 from .swarm_cmd import swarm
 
@@ -25,7 +26,7 @@ def cli():
     Examples:
       bt-node train-local --data ../shared/data/wikitext-2-raw --budget 90s
       bt-node eval --checkpoint runs/local --data ../shared/data/wikitext-2-raw
-      bt-node bench quality --data ../shared/data/wikitext-2-raw --budget 120s --json
+      bt-node bench quality --data ../shared/data/gutenberg --preset cpu --lr-sweep --out runs/v2
     """
 
 

@@ -100,8 +100,8 @@ def test_bad_input_gives_one_clear_line_and_nonzero_exit(tmp_path):
 @pytest.mark.parametrize("objective", ["paper", "forward-chained"])
 def test_bench_quality_json_has_equal_flops_fields(objective):
     data = TEST_CORPUS
-    r = bt("bench", "quality", "--data", str(data), "--budget", "3steps", "--json", "--eval-windows", "4",
-           "--k", "2", *TINY, "--objective", objective)
+    r = bt("bench", "quality", "--protocol", "v1", "--data", str(data), "--budget", "3steps", "--json",
+           "--eval-windows", "4", "--k", "2", *TINY, "--objective", objective)
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
     for key in ("objective", "chain_ce", "ce_kind", "reference_ce", "single_block_reference_ce",

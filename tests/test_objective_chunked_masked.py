@@ -328,6 +328,7 @@ def test_flop_count_charges_a_block_for_its_longer_training_forward():
     from blocktrain.blocks.data import DataSplit
     from blocktrain.blocks.flops import train_flops_per_step
     from blocktrain.blocks.local_run import LocalRun
+    from test_utils import flop_formulas
 
     cfg = cm_config(n_blocks=2)
     obj = get_objective(cfg)
@@ -338,6 +339,10 @@ def test_flop_count_charges_a_block_for_its_longer_training_forward():
     run.round()
     f = run.flops()
     bs = cfg.batch_size
-    assert f["block0"] == train_flops_per_step(run.blocks[0], bs, obj.train_tokens_per_window)
-    assert f["reference"] == train_flops_per_step(run.ref, bs, cfg.seq_len)
+    # measured counts: the block is charged for its [noisy || clean] window (matmuls grow with the
+    # positions: well above what seq_len positions of the same block would cost) ...
+    longer = obj.train_tokens_per_window / cfg.seq_len
+    assert f["block0"] > 0.8 * longer * train_flops_per_step(run.blocks[0], bs, cfg.seq_len)
+    # ... and the reference exactly for seq_len positions
+    assert f["reference"] == flop_formulas.ar_train_step(bs, cfg.seq_len, cfg.d_model, cfg.reference_layers)
     assert f["chain"] == f["block0"] + f["block1"]

@@ -10,12 +10,12 @@ import torch.nn.functional as F
 
 from blocktrain.blocks.chain import CountingHop
 from blocktrain.blocks.data import DataSplit
-from blocktrain.blocks.flops import train_flops_per_step
 from blocktrain.blocks.objectives import OBJECTIVES, get_objective
 from blocktrain.blocks.objectives.forward_chained import ForwardChainedObjective
 from blocktrain.blocks.train import make_optimizer, optimizer_step
 from blocktrain.blocks.local_run import LocalRun
 
+from test_utils import flop_formulas
 from test_utils.configs import tiny_config
 
 
@@ -129,13 +129,16 @@ def test_flops_charge_upstream_forwards_and_bench_references_match_the_chain():
     for _ in range(4):
         run.round()
     f = run.flops()
-    bs, t = cfg.batch_size, cfg.seq_len
-    own = [train_flops_per_step(m, bs, t) for m in run.blocks]
-    assert f["block0"] == pytest.approx(4 * own[0])
-    assert f["block2"] == pytest.approx(4 * (own[2] + own[0] / 3 + own[1] / 3))
+    n, t, d, layers = cfg.batch_size, cfg.seq_len, cfg.d_model, cfg.layers_per_block
+    own = flop_formulas.ar_train_step(n, t, d, layers)          # a block's layers + its own head
+    upstream = flop_formulas.stream_forward(n, t, d, layers)     # an upstream block: layers, no head
+    assert f["block0"] == 4 * own
+    assert f["block2"] == 4 * (own + 2 * upstream)
+    assert [tr.upstream_flops for tr in run.trainees[:3]] == [0, upstream, 2 * upstream]
+    assert run.round_flops() - run.round_flops_streamed() == pytest.approx(3 * upstream)  # 0 + 1 + 2
     # each reference took as many steps as the chain's FLOPs buy it (within one step)
-    for name, model in (("reference", run.ref), ("reference_1block", run.small_ref)):
-        per_step = train_flops_per_step(model, bs, t)
+    for name in ("reference", "reference_1block"):
+        per_step = next(tr.step_flops for tr in run.trainees if tr.name == name)
         assert abs(f[name] - f["chain"]) <= per_step + 1e-6, name
     steps = {tr.name: tr.steps for tr in run.trainees}
     assert steps["block0"] == 4 and steps["reference_1block"] > 3 * steps["block0"]

@@ -1,0 +1,144 @@
+"""bt-node bench quality, protocol v2, through the command line: the tiny preset runs the whole protocol
+(LR sweep on a carved validation part, arms at equal measured FLOPs, two seeds, paired intervals),
+a study folder is resumed and extended and never mixed, the h200 preset's plan fits its 8 minutes,
+and bad input gets one clear line."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_utils.configs import TEST_CORPUS
+
+
+def bt(*args, timeout=600):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "blocktrain.cli.main", "bench", "quality", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def run_json(*args):
+    r = bt(*args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout), r.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory):
+    out = tmp_path_factory.mktemp("study")
+    res, log = run_json("--data", str(TEST_CORPUS), "--preset", "tiny", "--out", str(out), "--json")
+    return out, res, log
+
+
+@pytest.mark.slow
+def test_tiny_preset_runs_the_whole_protocol(tiny_study):
+    out, res, _ = tiny_study
+    assert res["protocol"] == "v2" and res["seeds"] == [0, 1]
+    arms = ["paper", "forward-chained", "forward-streamed", "pipeline", "one-block", "whole", "one-block@streamed"]
+    assert res["arms"] == arms
+    # the learning rate of each arm kind is the grid point with the lowest validation CE
+    sweep = res["lr_sweep"]
+    assert sweep["grid"] == [1e-3, 2e-3, 4e-3] and "carved from train" in sweep["validation_protocol"]
+    for kind in ("paper", "forward-chained", "forward-streamed", "pipeline", "one-block", "whole"):
+        scores = sweep["scores"][kind]
+        assert len(scores) == 3
+        assert sweep["choice"][kind] == float(min(scores, key=scores.get))
+        assert res["lr"][kind] == {"lr": sweep["choice"][kind], "source": "validation sweep"}
+    runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+    assert len(runs) == 14 and len({r["windows_digest"] for r in runs}) == 1
+    budget = float(res["settings"]["budget"].removesuffix("steps")) * runs_of(runs, "paper")[0]["flops_per_round"]
+    for r in runs:
+        assert len(r["heldout_per_window"]) == 48 and r["heldout_ce"] == pytest.approx(
+            sum(r["heldout_per_window"]) / 48)
+        assert 0 < r["train_ce"] < math.log(256) + 0.5 and r["epochs"] > 0
+        # every arm trained to the same measured FLOPs (within half a round), @streamed to its share
+        share = 1.0 if not r["arm"].endswith("@streamed") else ratio(runs)
+        assert abs(r["flops_total"] - budget * share) <= 0.5 * r["flops_per_round"] + 1
+    # the seeds differ in init and data order
+    paper = runs_of(runs, "paper")
+    assert paper[0]["heldout_per_window"] != paper[1]["heldout_per_window"]
+    # the table: one row per arm, paired differences to each reference with intervals around their means
+    rows = {row["arm"]: row for row in res["summary"]["rows"]}
+    assert list(rows) == arms
+    for arm, row in rows.items():
+        assert row["seeds"] == [0, 1]
+        lo, hi = row["heldout_range"]
+        assert lo <= row["heldout_ce"] <= hi
+        for ref, d in row["diffs"].items():
+            assert ref != arm and d["lo"] <= d["mean"] <= d["hi"] and d["n_windows"] == 48 and d["n_seeds"] == 2
+            assert d["mean"] == pytest.approx(row["heldout_ce"] - rows[ref]["heldout_ce"])   # same seeds
+    assert set(rows["paper"]["diffs"]) == {"one-block", "whole", "one-block@streamed"}
+    fc = rows["forward-chained"]
+    assert fc["flops_per_round_streamed"] < fc["flops_per_round"]                     # upstream forwards
+    assert rows["paper"]["flops_per_round_streamed"] == rows["paper"]["flops_per_round"]
+    # chain-trained arms are charged what their workers run: forward-streamed's blocks receive their
+    # inputs (forward-chained's round less its upstream forwards); pipeline's blocks make the whole model
+    fs = rows["forward-streamed"]
+    assert fs["flops_per_round"] == fs["flops_per_round_streamed"] == fc["flops_per_round_streamed"]
+    assert rows["pipeline"]["flops_per_round"] == rows["whole"]["flops_per_round"]
+    assert "| forward-chained |" in res["table"] and json.loads((out / "summary.json").read_text())["table"]
+
+
+def runs_of(runs, arm):
+    return sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
+
+
+def ratio(runs):
+    fc = runs_of(runs, "forward-chained")[0]
+    return fc["flops_per_round_streamed"] / fc["flops_per_round"]
+
+
+@pytest.mark.slow
+def test_a_study_folder_is_resumed_extended_and_never_mixed(tiny_study):
+    out, first, _ = tiny_study
+    again, log = run_json("--data", str(TEST_CORPUS), "--preset", "tiny", "--out", str(out), "--json")
+    assert "reusing" in log and "training for" not in log
+    assert again["summary"] == first["summary"]
+    # one more seed for two arms: trained now and pooled with the stored seeds
+    more, log = run_json("--data", str(TEST_CORPUS), "--preset", "tiny", "--out", str(out), "--json",
+                         "--arms", "forward-chained,one-block", "--seeds", "2")
+    assert log.count("training for") == 2
+    rows = {row["arm"]: row for row in more["summary"]["rows"]}
+    assert rows["forward-chained"]["seeds"] == [0, 1, 2] and rows["paper"]["seeds"] == [0, 1]
+    assert rows["forward-chained"]["diffs"]["one-block"]["seeds"] == [0, 1, 2]
+    assert rows["paper"]["diffs"]["one-block"]["seeds"] == [0, 1]
+    # other settings in the same folder: refused, nothing written
+    before = sorted(p.name for p in (out / "runs").iterdir())
+    r = bt("--data", str(TEST_CORPUS), "--preset", "tiny", "--out", str(out), "--set", "d_model=16")
+    assert r.returncode == 1 and "other settings" in r.stderr and "Traceback" not in r.stderr
+    assert sorted(p.name for p in (out / "runs").iterdir()) == before
+
+
+@pytest.mark.slow
+def test_h200_preset_plan_fits_eight_minutes_and_needs_a_gpu_to_run():
+    res, _ = run_json("--data", str(TEST_CORPUS), "--preset", "h200", "--plan", "--json")
+    assert res["config"]["d_model"] == 512 and res["config"]["seq_len"] == 512
+    assert res["assumed_flops_per_s"] == pytest.approx(790e12 * 0.15)
+    # training at the assumed throughput leaves at least a minute of the 8 for start-up and scoring
+    assert res["predicted_train_seconds"] <= 7 * 60
+    assert res["total_flops"] == pytest.approx(res["main_flops"] + res["sweep_flops"])
+    for row in res["arms"]:
+        assert abs(row["flops"] - 7e15) <= row["flops_per_round"]
+    r = bt("--data", str(TEST_CORPUS), "--preset", "h200", "--device", "cpu")
+    assert r.returncode == 2 and "GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_input_is_one_clear_line():
+    data = str(TEST_CORPUS)
+    for args, code, words in (
+        (["--arms", "paper,nope"], 1, "unknown arm"),
+        (["--arms", "paper,paper"], 1, "twice"),
+        (["--arms", "one-block@streamed", "--budget", "30s"], 1, "FLOP"),
+        (["--lr", "paper=fast"], 2, "ARM=RATE"),
+        (["--seeds", "0,x"], 2, "seeds"),
+        (["--budget", "lots"], 1, "budget"),
+        (["--upstream-every", "3"], 2, "v1"),
+        (["--protocol", "v1", "--seeds", "0,1"], 2, "v2 only"),
+    ):
+        r = bt("--data", data, "--preset", "tiny", *args)
+        assert r.returncode == code, (args, r.stderr)
+        assert words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
