@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import json
-import signal
+import os
 import time
 from pathlib import Path
 
@@ -16,6 +16,7 @@ from ..node.options import NodeOptions
 from .config_opts import build_config, config_options
 from .errors import friendly
 from .render import emit_json, err_console
+from .signals import Interrupted, StopSignals
 
 
 def node_options(fn):
@@ -66,47 +67,54 @@ def _run_node(opts: NodeOptions, ready_file: str | None, quiet: bool, banner: st
     from ..node.node import Node   # imports hivemind: only for network commands
 
     node = Node(opts)
-
-    def on_signal(signum, _frame):
-        node.stop_event.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signals = StopSignals(on_first=node.stop_event.set).install()
     try:
-        node.start()
-        st = node.snapshot()
-        me = st.self
-        info = {"peer_id": me["peer_id"], "maddrs": me["maddrs"], "run_id": st.run["run_id"],
-                "run_address": st.run["address"], "block": me["block"],
-                "http_port": me["http_port"], "data": st.run["data"], "resumed": me["resumed"],
-                "downloaded_state": me["downloaded_state"], "reachability": me["reachability"]}
-        if ready_file:
-            tmp = Path(ready_file).with_suffix(".tmp")
-            tmp.write_text(json.dumps(info) + "\n")
-            tmp.replace(ready_file)
-        err_console.print(f"[bold green]{banner}[/] run [bold]{info['run_id']}[/], block {info['block']} of "
-                          f"{st.run['n_blocks']}; data: {info['data']}")
-        first = (info["maddrs"] or ["?"])[0]
-        err_console.print(f"Run address: [bold]{info['run_address']}[/] (members who pass it believe only this "
-                          "run's seeder)")
-        if info["reachability"] == "public":
-            err_console.print(f"Others join with:\n  bt-node join --run {info['run_id']}@{first}")
-        else:
-            err_console.print(f"[yellow]Other peers cannot dial this node[/] (behind NAT or a firewall): it trains and "
-                              f"averages, and serves its block only through a relay ({info['reachability']}; "
-                              f"see /v1/status). Others should join through a reachable node.")
-        if info["http_port"]:
-            err_console.print(f"HTTP API and web page: http://{opts.http_host}:{info['http_port']}/")
+        with signals.interrupting():   # a signal while starting cuts the start short
+            node.start()
+        _announce_ready(node, opts, ready_file, banner)
         if quiet or not err_console.is_terminal:
             node.wait()
         else:
-            with Live(_progress(st), console=err_console, refresh_per_second=1, transient=True) as live:
+            with Live(_progress(node.snapshot()), console=err_console, refresh_per_second=1, transient=True) as live:
                 while not node.stop_event.wait(1.0):
                     live.update(_progress(node.snapshot()))
+    except Interrupted:
+        pass
     finally:
+        t0 = time.monotonic()
         node.stop()
-    if node.errors:
-        raise click.ClickException("node stopped after an error: " + node.errors[-1])
+        steps = ", ".join(f"{name} {took:.2f}" for name, took in node.teardown.timings)
+        problems = "; problems: " + "; ".join(node.teardown.errors) if node.teardown.errors else ""
+        click.echo(f"left the run in {time.monotonic() - t0:.2f} s ({steps}){problems}", err=True)
+    if node.failure:
+        raise click.ClickException("node stopped after an error: " + node.failure)
+
+
+def _announce_ready(node, opts: NodeOptions, ready_file: str | None, banner: str) -> None:
+    """The ready file (for scripts) and the banner, with the ports the node actually bound."""
+    st = node.snapshot()
+    me = st.self
+    info = {"peer_id": me["peer_id"], "maddrs": me["maddrs"], "run_id": st.run["run_id"],
+            "run_address": st.run["address"], "block": me["block"],
+            "http_port": me["http_port"], "data": st.run["data"], "resumed": me["resumed"],
+            "downloaded_state": me["downloaded_state"], "reachability": me["reachability"], "pid": os.getpid()}
+    if ready_file:
+        tmp = Path(ready_file).with_suffix(".tmp")
+        tmp.write_text(json.dumps(info) + "\n")
+        tmp.replace(ready_file)
+    err_console.print(f"[bold green]{banner}[/] run [bold]{info['run_id']}[/], block {info['block']} of "
+                      f"{st.run['n_blocks']}; data: {info['data']}")
+    first = (info["maddrs"] or ["?"])[0]
+    err_console.print(f"Run address: [bold]{info['run_address']}[/] (members who pass it believe only this "
+                      "run's seeder)")
+    if info["reachability"] == "public":
+        err_console.print(f"Others join with:\n  bt-node join --run {info['run_id']}@{first}")
+    else:
+        err_console.print(f"[yellow]Other peers cannot dial this node[/] (behind NAT or a firewall): it trains and "
+                          f"averages, and serves its block only through a relay ({info['reachability']}; "
+                          f"see /v1/status). Others should join through a reachable node.")
+    if info["http_port"]:
+        err_console.print(f"HTTP API and web page: http://{opts.http_host}:{info['http_port']}/")
 
 
 def _progress(st) -> Table:

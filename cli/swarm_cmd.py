@@ -1,8 +1,7 @@
 """bt-node swarm: one command that runs a whole local network, trains, measures and generates."""
 from __future__ import annotations
 
-import signal
-import time
+import threading
 
 import click
 from rich.live import Live
@@ -11,6 +10,7 @@ from rich.table import Table
 from blocktrain.blocks.budget import Budget
 from .errors import friendly
 from .render import emit_json, err_console
+from .signals import Interrupted, StopSignals
 
 
 def _progress_table(statuses: list, frac: float) -> Table:
@@ -50,6 +50,7 @@ def swarm(nodes, budget, data, overrides, http_port, keep_running, workdir, prom
       bt-node swarm --budget 120s
       bt-node swarm --nodes 6 --budget 5m --keep-running --http-port 8000
     """
+    from blocktrain.node.swarm.launcher import kill_all, stop_running
     from blocktrain.node.swarm.run import run_swarm   # imports hivemind
 
     b = Budget.parse(budget)
@@ -61,35 +62,43 @@ def swarm(nodes, budget, data, overrides, http_port, keep_running, workdir, prom
         if live is not None:
             live.update(_progress_table(statuses, frac))
 
-    if live is not None:
-        live.start()
+    # Ctrl-C / SIGTERM: the nodes leave gracefully (run_swarm stops them on its way out, or the
+    # keep-running wait ends); a second signal SIGKILLs them and exits at once
+    stop = threading.Event()
+    signals = StopSignals(on_first=stop.set, on_second=kill_all).install()
     try:
-        res = run_swarm(nodes=nodes, budget_s=b.seconds, data=data, overrides=list(overrides), http_port=http_port,
-                        keep_running=keep_running, workdir=workdir, prompt=prompt.encode(), gen_bytes=gen_bytes,
-                        on_progress=show)
-    finally:
         if live is not None:
-            live.stop()
-    handle = res.pop("_swarm", None)
+            live.start()
+        try:
+            with signals.interrupting():
+                res = run_swarm(nodes=nodes, budget_s=b.seconds, data=data, overrides=list(overrides),
+                                http_port=http_port, keep_running=keep_running, workdir=workdir,
+                                prompt=prompt.encode(), gen_bytes=gen_bytes, on_progress=show)
+        finally:
+            if live is not None:
+                live.stop()
+        _report(res, as_json)
+        if res.get("first_node_http"):
+            err_console.print(f"network kept running; first node's HTTP API: {res['first_node_http']} "
+                              "(Ctrl-C stops)")
+            while not stop.wait(1.0):
+                pass
+    except Interrupted:
+        err_console.print("stopped before the run finished")
+    finally:
+        stop_running()   # every node this command started, whatever ended it
+
+
+def _report(res: dict, as_json: bool) -> None:
+    res.pop("_swarm", None)
     if as_json:
         emit_json(res)
-    else:
-        err_console.print(f"data: {res['data']} (protocol {res['protocol']})")
-        err_console.print(f"averaging rounds (replicated blocks): {res['averaging_rounds']} "
-                          f"{res['averaging_rounds_by_block']}")
-        err_console.print(f"chain CE on held-out text: {res['chain_ce_start']:.3f} -> {res['chain_ce']:.3f} "
-                          f"nats/byte ({res['ce_kind']}; ln 256 = 5.545)")
-        route = " -> ".join(f"b{h['block']}@{h['peer'][-6:]}" for h in res["route"])
-        err_console.print(f"route: {route}")
-        click.echo(res["prompt"] + res["generated"])
-    if handle is not None:
-        err_console.print(f"network kept running; first node's HTTP API: {res['first_node_http']} (Ctrl-C stops)")
-        stop = []
-        signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-        try:
-            while not stop:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            handle.stop_all()
+        return
+    err_console.print(f"data: {res['data']} (protocol {res['protocol']})")
+    err_console.print(f"averaging rounds (replicated blocks): {res['averaging_rounds']} "
+                      f"{res['averaging_rounds_by_block']}")
+    err_console.print(f"chain CE on held-out text: {res['chain_ce_start']:.3f} -> {res['chain_ce']:.3f} "
+                      f"nats/byte ({res['ce_kind']}; ln 256 = 5.545)")
+    route = " -> ".join(f"b{h['block']}@{h['peer'][-6:]}" for h in res["route"])
+    err_console.print(f"route: {route}")
+    click.echo(res["prompt"] + res["generated"])

@@ -3,7 +3,9 @@
 :class:`Loop` runs ``body(stop)`` in a daemon thread; ``stop()`` sets the event and joins with a
 bound. A body that raises is logged, reported through ``on_crash`` (the node then stops), and
 ends its thread. :class:`Teardown` holds what a node started, in order, and stops it in reverse,
-each step bounded and none able to keep the next from running.
+each step bounded (its own budget, and the whole stop's deadline) and none able to keep the next
+from running: a step still running when its time is up is left to finish in the background and
+recorded as abandoned. ``timings`` says how long each step took.
 """
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ class Loop:
 
     def stop(self, timeout: float = 30.0) -> None:
         self.stop_event.set()
+        self.join(timeout)
+
+    def join(self, timeout: float) -> None:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -43,28 +48,51 @@ class Loop:
 
 
 class Teardown:
-    """Things to stop, pushed in start order; :meth:`close` stops them last-first, once."""
+    """Things to stop, pushed in start order; :meth:`close` stops them last-first, once.
 
-    def __init__(self):
-        self._items: list[tuple[str, Callable[[], None]]] = []
+    Each step runs in its own thread and gets ``budget`` seconds (given at :meth:`push`), cut to
+    what is left of ``close``'s ``deadline`` but never below ``min_step`` (so later steps, such as
+    stopping child processes, still get their turn when earlier ones overran)."""
+
+    def __init__(self, min_step: float = 0.2):
+        self._items: list[tuple[str, Callable[[], None], float]] = []
         self._lock = threading.Lock()
+        self.min_step = min_step
         self.errors: list[str] = []
         self.timings: list[tuple[str, float]] = []
 
-    def push(self, name: str, stop: Callable[[], None]) -> None:
+    def push(self, name: str, stop: Callable[[], None], budget: float = 5.0) -> None:
         with self._lock:
-            self._items.append((name, stop))
+            self._items.append((name, stop, budget))
 
-    def close(self) -> None:
+    def close(self, deadline: float | None = None) -> None:
+        """Stop everything, last pushed first; ``deadline`` (seconds) bounds the whole close."""
+        t_start = time.monotonic()
         while True:
             with self._lock:
                 if not self._items:
                     return
-                name, stop = self._items.pop()
+                name, stop, budget = self._items.pop()
+            if deadline is not None:
+                budget = max(self.min_step, min(budget, deadline - (time.monotonic() - t_start)))
             t0 = time.monotonic()
-            try:
-                stop()
-            except Exception as e:  # keep stopping the rest
+            failed: list[BaseException] = []
+
+            def run(stop=stop, failed=failed) -> None:
+                try:
+                    stop()
+                except BaseException as e:  # keep stopping the rest
+                    failed.append(e)
+
+            th = threading.Thread(target=run, name=f"bt-stop-{name}", daemon=True)
+            th.start()
+            th.join(budget)
+            took = time.monotonic() - t0
+            self.timings.append((name, took))
+            if th.is_alive():
+                log.warning("stopping %s did not finish within %.1fs; going on", name, budget)
+                self.errors.append(f"stopping {name}: abandoned after {budget:.1f}s")
+            elif failed:
+                e = failed[0]
                 log.warning("stopping %s failed: %s", name, e)
                 self.errors.append(f"stopping {name}: {type(e).__name__}: {e}")
-            self.timings.append((name, time.monotonic() - t0))

@@ -8,6 +8,9 @@ process), the HTTP server, the announcement refresher, then the loops (training,
 held-out evaluation, upstream refresh). :meth:`snapshot` is the one status object the HTTP API,
 web page and CLI read; :meth:`generate`, :meth:`score`, :meth:`evaluate` and :meth:`average_now`
 are what they may ask of it.
+
+:meth:`stop` leaves within :data:`STOP_DEADLINE` seconds whatever hangs: every teardown step has a
+budget (the ``budget=`` of each push below; ``teardown.timings`` records what each took).
 """
 from __future__ import annotations
 
@@ -50,10 +53,17 @@ from blocktrain.p2p.rpc_server import BlockRPCServer, InfoService
 log = logging.getLogger(__name__)
 SOFTWARE_VERSION = "blocktrain/0.1.0"
 PROTOCOL_VERSION = 1
+STOP_DEADLINE = 7.0   # seconds for the graceful stop; steps still to go then get 0.2 s each (exit < 10 s)
 
 
 def _finite_or_none(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) and x >= 0 else None
+
+
+def _asked(what: str, stopped_when_asked: bool) -> None:
+    """A teardown step's check: a child that had to be killed is a problem worth reporting."""
+    if not stopped_when_asked:
+        raise RuntimeError(f"{what} did not stop when asked and was killed")
 
 
 class Node:
@@ -64,6 +74,8 @@ class Node:
         self.state = "starting"
         self.teardown = Teardown()
         self.errors: list[str] = []
+        self.failure: str | None = None           # why the node stopped on its own (a crashed loop)
+        self.loops: list[Loop] = []
         self.resumed = False
         self.downloaded: dict | None = None
         self.checkpoints_written = 0
@@ -82,7 +94,7 @@ class Node:
         self.auth = RunAuth.build(o.allowed_peers, o.run_secret_file)   # bad secret file: fail before the DHT
         fresh_identity = not (o.checkpoint_dir / "identity.key").exists()
         identity = NodeIdentity.load_or_create(o.checkpoint_dir / "identity.key")
-        td.push("identity", identity.close)
+        td.push("identity", identity.close, budget=1.0)
         # we hold the directory's identity lock, so no live node writes here: temporary files are
         # leftovers of a process killed mid-write (the checkpoint itself is replaced atomically)
         for tmp in o.checkpoint_dir.glob(".*.tmp-*"):
@@ -95,13 +107,14 @@ class Node:
                                          host_maddrs=[f"/ip4/{o.host}/tcp/{o.port}"], announce_maddrs=announce,
                                          run_ids=[o.run_id] if o.run_id else [], ttl=o.ttl,
                                          reachability="auto", **dht_extra)
-        td.push("discovery", lambda: self.discovery.shutdown(withdraw=False))
+        td.push("discovery", lambda: _asked("the DHT process", self.discovery.shutdown(withdraw=False, timeout=1.0)),
+                budget=3.0)
         # nobody can dial us? then serve through a relay, or train without serving (node/reachability.py)
         self.reach = Reachability(self.discovery, lambda: self.discovery.list_holders(self.run_id))
         self.peer_id = self.discovery.peer_id
         self.auth = dataclasses.replace(self.auth, self_peer=self.peer_id)
         self.loop = LoopThread(name=f"bt-node-{self.peer_id[-6:]}")
-        td.push("rpc loop", self.loop.stop)
+        td.push("rpc loop", lambda: self.loop.stop(timeout=1.0), budget=1.5)
         self.p2p = self.loop.run(self.discovery.dht.replicate_p2p(), timeout=30)
         self._resolve_run()
         self._build_trainer()
@@ -110,7 +123,7 @@ class Node:
                                       compression=o.averaging_compression,
                                       authorize=self.auth.authorize if self.auth.restricted else None,
                                       prefix=self.auth.averaging_prefix(self.run_id, self.block_index))
-        td.push("averager", self.averager.shutdown)
+        td.push("averager", lambda: _asked("the averager process", self.averager.shutdown()), budget=3.0)
         if self.upstream is not None and self.block_index > 0:
             self.refresh_upstream()   # before the late join: judging a download needs blocks < b
         self._late_join()
@@ -119,10 +132,10 @@ class Node:
             from blocktrain.node.http.server import HttpServer
             self.http = HttpServer(self, o.http_host, o.http_port, operator_token=o.operator_token)
             self.http.start()
-            td.push("http", self.http.stop)
+            td.push("http", self.http.stop, budget=2.0)
         self.discovery.start_announcing(self.announcement)
-        td.push("announcements", lambda: self.discovery.stop_announcing(withdraw=True))
-        td.push("final checkpoint", self._final_checkpoint)
+        td.push("announcements", lambda: self.discovery.stop_announcing(withdraw=True, timeout=2.5), budget=3.0)
+        td.push("final checkpoint", self._final_checkpoint, budget=4.0)
         self._start_loop("train", self._train)
         self._start_loop("average", self._average)
         if self.upstream is not None and self.block_index > 0:
@@ -135,10 +148,12 @@ class Node:
 
     def _start_loop(self, name: str, body) -> None:
         loop = Loop(name, body, on_crash=self._crashed).start()
-        self.teardown.push(f"{name} loop", loop.stop)
+        self.loops.append(loop)
+        self.teardown.push(f"{name} loop", lambda: loop.stop(timeout=3.0), budget=3.0)
 
     def _crashed(self, name: str, e: BaseException) -> None:
         self._error(f"{type(e).__name__}: {e}")
+        self.failure = self.failure or f"{name} loop: {type(e).__name__}: {e}"
         self.stop_event.set()
 
     def _error(self, msg: str) -> None:
@@ -203,7 +218,7 @@ class Node:
                                      inject_delay_s=o.inject_delay_ms / 1000.0,
                                      authorize=self.auth.authorize if self.auth.restricted else None)
         self.loop.run(self.server.add_block(b), timeout=30)
-        self.teardown.push("rpc server", lambda: self.loop.run(self.server.close(), timeout=10))
+        self.teardown.push("rpc server", lambda: self.loop.run(self.server.close(), timeout=1.0), budget=1.5)
         self.loop.run(InfoService.serve(p2p, self._info), timeout=30)
         self.client = HopClient(p2p, self.run_id, loop=self.loop)
         self.router = Router(self.discovery, self.client, self.run_id, cfg.n_blocks,
@@ -301,6 +316,7 @@ class Node:
                 self.save_checkpoint()
             except Exception as e:
                 self._error(f"final checkpoint failed: {e}")
+                self.failure = self.failure or f"final checkpoint failed: {e}"
 
     # -- what the API may ask ------------------------------------------------------------------
     def generate(self, prompt: bytes, max_bytes: int, mode: str, seed: int | None, temperature: float) -> dict:
@@ -335,16 +351,19 @@ class Node:
         return build_status(self)
 
     # -- stop -----------------------------------------------------------------------------------
-    def stop(self) -> None:
-        """Leave gracefully: loops, final checkpoint, tombstones, HTTP, RPC, children. Safe to call twice."""
+    def stop(self, deadline: float = STOP_DEADLINE) -> None:
+        """Leave gracefully: loops, final checkpoint, tombstones, HTTP, averager, RPC, DHT (and p2pd),
+        identity; within ``deadline`` seconds. Safe to call twice."""
         if self.state == "stopped":
             return
         self.state = "leaving"
         self.stop_event.set()
+        for loop in self.loops:   # every loop at once, so each join below finds its loop ending
+            loop.stop_event.set()
         self._avg_wakeup.set()
         if self.averager is not None:
             self.averager.cancel_event.set()
-        self.teardown.close()
+        self.teardown.close(deadline=deadline)
         self.errors.extend(self.teardown.errors)
         self.state = "stopped"
 

@@ -23,6 +23,8 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
+from blocktrain.p2p.process import StopsWithParent, stop_process
+
 __all__ = ["BlockAveragerHandle", "RoundFailed", "RoundResult", "COMPRESSIONS", "make_compression",
            "patch_8bit_decoder"]
 
@@ -97,8 +99,11 @@ def patch_8bit_decoder() -> None:
     Quantization.extract = extract
 
 
-class BlockStateAverager(DecentralizedAverager):
+class BlockStateAverager(StopsWithParent, DecentralizedAverager):
     """hivemind's averager with BlockTrain's additions. Set the ``bt_*`` attributes before starting it.
+
+    Its process is a node's child like the DHT's (p2p/process.py): it ignores SIGINT/SIGTERM, the
+    host stops it (:meth:`BlockAveragerHandle.shutdown`), and it exits on its own if the host dies.
 
     * ``bt_state``: callable returning ``(metadata, tensors)`` of the live block, served to late
       joiners (runs in the host process: hivemind asks the host for the current state).
@@ -118,6 +123,13 @@ class BlockStateAverager(DecentralizedAverager):
             _count_stream_messages(self.bt_counters)
         patch_8bit_decoder()
         super().run()
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """hivemind's, without setting the *host's* SIGINT to SIG_IGN (which made a node deaf to
+        Ctrl-C): the child ignores SIGINT itself (StopsWithParent)."""
+        self.start()
+        if await_ready:
+            self.wait_until_ready(timeout)
 
     def get_current_state(self):
         if self.bt_state is None:
@@ -182,7 +194,7 @@ class BlockAveragerHandle:
     def __init__(self, dht, tensors: list[torch.Tensor], *, prefix: str, compression: str = "fp32",
                  state: StateProvider | None = None, authorize: Callable[[str], bool] | None = None,
                  target_group_size: int = 4, matchmaking_time: float = 3.0, round_timeout: float = 20.0,
-                 allreduce_timeout: float = 30.0, start_timeout: float = 60.0):
+                 allreduce_timeout: float = 30.0, start_timeout: float = 60.0, shutdown_timeout: float = 2.0):
         self.prefix, self.compression = prefix, compression
         self.round_timeout, self.allreduce_timeout = round_timeout, allreduce_timeout
         self.averager = BlockStateAverager(
@@ -192,7 +204,8 @@ class BlockAveragerHandle:
             # a DHT in client mode (a member nobody can dial) makes hivemind's averager a client too:
             # it joins groups others lead and cannot share its state
             compression=make_compression(compression), allow_state_sharing=not dht.client_mode, next_chunk_timeout=10.0,
-            sender_timeout=5.0, reducer_timeout=10.0, allreduce_timeout=allreduce_timeout)
+            sender_timeout=5.0, reducer_timeout=10.0, allreduce_timeout=allreduce_timeout,
+            shutdown_timeout=shutdown_timeout)
         self.averager.bt_state = state
         self.averager.bt_authorize = authorize
         self.counters = self.averager.bt_counters = mp.RawArray("q", 4)
@@ -269,8 +282,8 @@ class BlockAveragerHandle:
         meta, tensors = got
         return (meta if isinstance(meta, dict) else {}), list(tensors)
 
-    def shutdown(self) -> None:
-        try:
-            self.averager.shutdown()
-        except Exception:  # already gone
-            pass
+    def shutdown(self) -> bool:
+        """Ask the averager process to stop; SIGKILL it after its shutdown timeout. False if it
+        had to be killed."""
+        a = self.averager
+        return stop_process(a, a.shutdown if a.is_alive() else None, timeout=a.shutdown_timeout + 0.5)

@@ -37,6 +37,7 @@ from blocktrain.p2p.identity import NodeIdentity
 from blocktrain.p2p.reachability import (
     all_loopback, ask_relayed, circuit_addrs, learn_relayed, private_dht_options, probe_reachability, serve_dial_back,
 )
+from blocktrain.p2p.process import StopsWithParent, stop_process
 from blocktrain.p2p.records import PROTOCOL_VERSION, BlockAnnouncement, RunManifest, validate_run_id
 
 __all__ = [
@@ -63,6 +64,16 @@ async def _add_validators(_dht: DHT, node: DHTNode, validators: list[Any]) -> No
 
 async def _visible_maddrs(_dht: DHT, node: DHTNode) -> list[str]:
     return [str(m) for m in await node.p2p.get_visible_maddrs()]
+
+
+class _NodeDHT(StopsWithParent, DHT):
+    """hivemind's DHT process as a node's child (p2p/process.py): it ignores SIGINT/SIGTERM, starts
+    p2pd in its own session, and it and p2pd exit on their own when the node dies."""
+
+    bt_spawns_daemons = True
+
+
+DHT_SHUTDOWN_TIMEOUT = 2.0   # seconds the DHT process gets to stop (p2pd with it) before SIGKILL
 
 
 class Discovery:
@@ -139,7 +150,8 @@ class Discovery:
         if private:
             kwargs.update(private_dht_options(peers))
             client_mode = kwargs.pop("client_mode")
-        dht = DHT(
+        kwargs.setdefault("shutdown_timeout", DHT_SHUTDOWN_TIMEOUT)
+        dht = _NodeDHT(
             initial_peers=peers or None,
             start=False,
             host_maddrs=hosts,
@@ -175,20 +187,24 @@ class Discovery:
             dht.run_coroutine(serve_dial_back)
         return self
 
-    def shutdown(self, *, withdraw: bool = True) -> None:
-        """Stop refreshing, optionally leave tombstones, stop the DHT process and the loop thread (idempotent)."""
+    def shutdown(self, *, withdraw: bool = True, timeout: float = 15.0) -> bool:
+        """Stop refreshing, optionally leave tombstones (waiting up to ``timeout`` s), stop the DHT
+        process (and p2pd) and the loop thread (idempotent). False if the DHT process did not stop
+        when asked and had to be killed (p2pd gone first, say)."""
         if self._closed:
-            return
+            return True
         self._closed = True
+        clean = False
         try:
-            self._loop.run(self._astop_announcing(withdraw=withdraw), timeout=15)
+            self._loop.run(self._astop_announcing(withdraw=withdraw), timeout=timeout)
         except Exception as e:  # shutting down anyway
             logger.warning("withdrawing announcements during shutdown failed: %s", e)
         finally:
-            _kill_dht(self.dht)
+            clean = _kill_dht(self.dht)
             self._loop.stop()
             if self._owned_identity is not None:
                 self._owned_identity.close()
+        return clean
 
     def __enter__(self) -> "Discovery":
         return self
@@ -421,9 +437,10 @@ class Discovery:
         if withdraw:
             await self.awithdraw()
 
-    def stop_announcing(self, *, withdraw: bool = True) -> None:
-        """Stop the refresher; with ``withdraw`` also store tombstones for everything announced."""
-        self._loop.run(self._astop_announcing(withdraw=withdraw))
+    def stop_announcing(self, *, withdraw: bool = True, timeout: float | None = None) -> None:
+        """Stop the refresher; with ``withdraw`` also store tombstones for everything announced
+        (waiting up to ``timeout`` s for the stores; None: as long as they take)."""
+        self._loop.run(self._astop_announcing(withdraw=withdraw), timeout=timeout)
 
     # -- reading ----------------------------------------------------------------------------
     async def _aexpected_hash(self, run_id: str, config_hash: str | None) -> str:
@@ -453,12 +470,7 @@ class Discovery:
         return self._sync(self.alist_holders(run_id, config_hash), "list_holders")
 
 
-def _kill_dht(dht: DHT) -> None:
-    try:
-        if dht.is_alive():
-            dht.shutdown()
-    except Exception as e:
-        logger.debug("DHT shutdown: %s", e)
-    if dht.is_alive():
-        dht.terminate()
-        dht.join(3)
+def _kill_dht(dht: DHT) -> bool:
+    """Ask the DHT process to stop (it stops p2pd), then SIGKILL it if it has not within its
+    shutdown timeout (it ignores SIGTERM, see p2p/process.py). False if it had to be killed."""
+    return stop_process(dht, dht.shutdown, timeout=dht.shutdown_timeout + 0.5)

@@ -163,6 +163,7 @@ class BlockAverager:
             log.info("averaging round %d was partial: moved %.0f %% of the way to the group's mean",
                      self.round_no, 100 * c)
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> bool:
+        """Stop the averager process; False if it did not stop when asked and was killed."""
         self.cancel_event.set()
-        self.handle.shutdown()
+        return self.handle.shutdown()

@@ -3,27 +3,60 @@
 :class:`ManagedProcess` is the one process handle: a child in its own session (process group)
 with its output in a log file, stopped with SIGTERM and then SIGKILL of its whole group, so a stop
 takes its hivemind children (DHT, averager, p2pd) too and nothing is left behind, even after
-SIGKILL. :class:`NodeProc` runs one ``bt-node seed|join`` with it; the tests' drivers of their own
-test processes build on it too.
+SIGKILL. A child started from the main thread also gets SIGTERM when this process dies, however
+it dies (``PR_SET_PDEATHSIG``; the signal fires when the *thread* that started the child ends,
+so children started from other threads go without it). :class:`NodeProc` runs one
+``bt-node seed|join`` with it; the tests' drivers of their own test processes build on it too.
+
+No ports are chosen here: a node binds port 0 (HTTP and p2p) itself and reports the ports it got
+in its ready file, so no other program can take a port between choosing and binding it.
 """
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from blocktrain.p2p.process import parent_death_preexec
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+STOP_TIMEOUT = 12.0   # seconds a node gets to leave after SIGTERM (it needs under 10) before SIGKILL
+_started: "set[ManagedProcess]" = set()   # every child started here (pruned once it has exited)
+
+
+def _running() -> "list[ManagedProcess]":
+    for p in [p for p in _started if not p.alive]:
+        _started.discard(p)
+    return list(_started)
+
+
+def kill_all() -> None:
+    """SIGKILL the process group of every child this process started here and that still runs
+    (a second Ctrl-C: no more waiting)."""
+    for p in _running():
+        p.signal(signal.SIGKILL)
+
+
+def stop_together(procs, timeout: float = STOP_TIMEOUT) -> None:
+    """SIGTERM every process at once (each leaves gracefully), then wait; SIGKILL the process group
+    of any that is not gone within ``timeout`` s."""
+    procs = list(procs)
+    for p in procs:
+        p.signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.stop(timeout=max(0.5, deadline - time.monotonic()), terminate=False)
+
+
+def stop_running(timeout: float = STOP_TIMEOUT) -> None:
+    """Stop (as :func:`stop_together`) every child this process started here that still runs."""
+    stop_together(_running(), timeout)
 
 
 class ManagedProcess:
@@ -43,13 +76,18 @@ class ManagedProcess:
                       append: bool = True) -> subprocess.Popen:
         """Start ``cmd`` (``env`` None = this process's environment)."""
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        # dies with this process; only when started from the main thread (see the module docstring)
+        preexec = parent_death_preexec(signal.SIGTERM) if threading.current_thread() is threading.main_thread() \
+            else None
         with open(self.log_file, "ab" if append else "wb") as log:   # the child keeps its own descriptor
             if pipe_stdio:
                 self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                             text=True, bufsize=1, start_new_session=True, env=env)
+                                             text=True, bufsize=1, start_new_session=True, env=env,
+                                             preexec_fn=preexec)
             else:
                 self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True, env=env)
+                                             start_new_session=True, env=env, preexec_fn=preexec)
+        _started.add(self)
         return self.proc
 
     @property
@@ -83,12 +121,14 @@ class ManagedProcess:
         except subprocess.TimeoutExpired:
             return None
 
-    def stop(self, timeout: float = 40.0) -> int | None:
-        """SIGTERM (a graceful exit) and up to ``timeout`` s to take it, then SIGKILL the whole process
-        group whatever the process did (children that outlive it go too). Returns the exit code."""
+    def stop(self, timeout: float = STOP_TIMEOUT, *, terminate: bool = True) -> int | None:
+        """SIGTERM (a graceful exit; ``terminate=False``: already sent, a second would mean "exit at
+        once") and up to ``timeout`` s to take it, then SIGKILL the whole process group whatever the
+        process did (children that outlive it go too). Returns the exit code."""
         if self.proc is None:
             return None
-        self.signal(signal.SIGTERM)
+        if terminate:
+            self.signal(signal.SIGTERM)
         self.wait(timeout)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -100,9 +140,10 @@ class ManagedProcess:
 
 class NodeProc(ManagedProcess):
     """One ``bt-node`` process (``args`` = ``seed ...`` or ``join ...``) in ``workdir``, serving HTTP
-    on ``http_port``; ready once it has written ``workdir/ready.json``."""
+    on ``http_port`` (0: a port the node picks and binds itself, known once it is ready); ready once
+    it has written ``workdir/ready.json``."""
 
-    def __init__(self, name: str, args: list[str], workdir: Path, http_port: int, *, threads: int = 1,
+    def __init__(self, name: str, args: list[str], workdir: Path, http_port: int = 0, *, threads: int = 1,
                  entry: list[str] | None = None):
         super().__init__(name, Path(workdir) / "node.log")
         self.entry = entry   # the program to run instead of ``python -m blocktrain.cli.main`` (tests wrap it)
@@ -117,12 +158,21 @@ class NodeProc(ManagedProcess):
         return self.workdir / "ready.json"
 
     @property
+    def bound_http_port(self) -> int:
+        """The HTTP port the node serves on (as its ready file reports it)."""
+        port = self.info.get("http_port") or self.http_port
+        if not port:
+            raise RuntimeError(f"node {self.name} has not reported its HTTP port yet (wait_ready first)")
+        return int(port)
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.http_port}"
+        return f"http://127.0.0.1:{self.bound_http_port}"
 
     def start(self, env: dict | None = None) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ready_file.unlink(missing_ok=True)
+        self.info = {}
         self.start_process(
             [*(self.entry or [sys.executable, "-m", "blocktrain.cli.main"]), *self.args,
              "--ready-file", str(self.ready_file),
@@ -173,7 +223,7 @@ class LocalSwarm:
     def start_seed(self, block: int = 0, args: list[str] = (), http_port: int | None = None) -> NodeProc:
         sets = [x for kv in self.overrides for x in ("--set", kv)]
         n = NodeProc("node0", ["seed", "--run-id", self.run_id, "--data", self.data, "--block", str(block),
-                               *sets, *self.extra, *args], self.base / "node0", http_port or free_port())
+                               *sets, *self.extra, *args], self.base / "node0", http_port or 0)
         self.nodes.append(n)
         n.start()
         n.wait_ready()
@@ -186,7 +236,7 @@ class LocalSwarm:
              *self.extra, *args]
         if block is not None:
             a += ["--block", str(block)]
-        n = NodeProc(name, a, workdir or self.base / name, free_port())
+        n = NodeProc(name, a, workdir or self.base / name)
         self.nodes.append(n)
         n.start()
         if wait:
@@ -196,8 +246,6 @@ class LocalSwarm:
     def live(self) -> list[NodeProc]:
         return [n for n in self.nodes if n.alive]
 
-    def stop_all(self) -> None:
-        for n in self.nodes:
-            n.signal(signal.SIGTERM)
-        for n in self.nodes:
-            n.stop()
+    def stop_all(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Stop every node at once (:func:`stop_together`)."""
+        stop_together(self.nodes, timeout)

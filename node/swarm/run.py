@@ -3,7 +3,8 @@
 Starts N real node processes on 127.0.0.1 (block 0 seeds the run, the others join; by default
 every block has a holder and block 1 has two, so same-block averaging happens), trains for the
 budget while showing progress, then measures chain CE on held-out text and generates text
-through the chain of holders, and shuts everything down (or keeps serving).
+through the chain of holders, and shuts everything down (or keeps serving). Whatever ends it early
+(an error, a signal that raises in the caller's thread) stops every node it started.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def run_swarm(*, nodes: int | None, budget_s: float, data: str, overrides: list[
     swarm = LocalSwarm(base, run_id="swarm", overrides=sets, data=data_used,
                        extra_args=["--average-every", str(average_every), "--device", "cpu"])
     client = None
+    handed_over = False   # True once the caller owns the running swarm (keep_running)
     try:
         swarm.start_seed(block=blocks[0], http_port=http_port, args=["--eval-every", "30"])
         for b in blocks[1:]:
@@ -85,11 +87,12 @@ def run_swarm(*, nodes: int | None, budget_s: float, data: str, overrides: list[
         }
         if keep_running:
             res["first_node_http"] = swarm.nodes[0].url
+        handed_over = keep_running
         return res | {"_swarm": swarm if keep_running else None}
     finally:
         if client is not None:
             client.close()
-        if not keep_running:
+        if not handed_over:
             swarm.stop_all()
 
 

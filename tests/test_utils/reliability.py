@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 
 from blocktrain.node.http.jobs import run_job
-from blocktrain.node.swarm.launcher import LocalSwarm, NodeProc, free_port
+from blocktrain.node.swarm.launcher import LocalSwarm, NodeProc
 
 from test_utils.wire_procs import JsonLinesProc
 
@@ -65,7 +65,7 @@ class RelSwarm(LocalSwarm):
              *self.extra, *args]
         if block is not None:
             a += ["--block", str(block)]
-        n = NodeProc(name, a, self.base / name, free_port(),
+        n = NodeProc(name, a, self.base / name,
                      entry=[sys.executable, str(HERE / "faulty_node.py"), fault] if fault else None)
         n.env = env or {}
         self.nodes.append(n)

@@ -1,0 +1,290 @@
+"""Nodes stop when told and leave nothing behind (issue 14), on real processes:
+
+* ``bt-node seed`` / ``join`` given Ctrl-C on a pseudo-terminal, SIGINT or SIGTERM to its pid or to
+  its whole process group: exit 0 within 10 s, a final checkpoint at least as far as the step the
+  node had reached, its DHT announcement withdrawn (a separate DHT reader no longer sees it, well
+  within the 30 s an unwithdrawn announcement would live), and none of its processes (DHT,
+  averager, p2pd, torch's shm manager) left; a second signal exits at once;
+* ``bt-node swarm --keep-running`` given the same: exit 0 within 10 s, every node's final
+  checkpoint written, none of its processes left;
+* SIGKILL of a node or of ``swarm``: every process it grew gone within 10 s, on its own (a swarm's
+  nodes even leave gracefully: the launcher gives them a parent-death SIGTERM).
+
+The nodes bind HTTP port 0 and report the port they got (ready file, ``/v1/status``).
+One anchor node (a one-block run of its own) gives the tested nodes a DHT to announce in and the
+test's DHT reader a peer to ask.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from blocktrain.blocks.checkpoint import block_filename, load_block
+from blocktrain.p2p.discovery import Discovery
+
+from test_utils.configs import TEST_CORPUS
+from test_utils.lifecycle import Command, describe, kill_all, kill_all_procs, running, wait_gone
+from test_utils.reliability import TINY, report, wait_for
+from test_utils.wire_procs import JsonLinesProc
+
+pytestmark = [pytest.mark.reliability, pytest.mark.network]
+
+ANCHOR_RUN = "lc-anchor"
+SETS = [x for kv in TINY for x in ("--set", kv)]
+NODE_ARGS = ["--data", str(TEST_CORPUS), "--http-port", "0", "--checkpoint-every", "1000000", "--device", "cpu"]
+EXIT_BOUND_S = 10.0
+
+
+def _ready(cmd: Command, ready_file: Path, timeout: float = 120.0) -> dict:
+    wait_for(lambda: ready_file.exists() or cmd.proc.poll() is not None, timeout, f"{ready_file}")
+    if not ready_file.exists():
+        raise AssertionError(f"exited with {cmd.proc.returncode} before ready:\n{cmd.output()[-3000:]}")
+    return json.loads(ready_file.read_text())
+
+
+def _status(port: int) -> dict:
+    return httpx.get(f"http://127.0.0.1:{port}/v1/status", timeout=20).json()
+
+
+@pytest.fixture(scope="module")
+def anchor(tmp_path_factory):
+    d = tmp_path_factory.mktemp("anchor")
+    cmd = Command(["seed", "--run-id", ANCHOR_RUN, *SETS, "--block", "0", *NODE_ARGS, "--quiet",
+                   "--checkpoint-dir", str(d / "ckpt"), "--ready-file", str(d / "ready.json")], d / "log")
+    procs = []
+    try:
+        info = _ready(cmd, d / "ready.json")
+        procs = cmd.tree()
+        yield info
+    finally:
+        kill_all(cmd, procs)
+
+
+@pytest.fixture(scope="module")
+def reader(anchor):
+    disc = Discovery.start(initial_peers=anchor["maddrs"][:1], client_mode=True)
+    try:
+        yield disc
+    finally:
+        disc.shutdown(withdraw=False)
+
+
+def _holders(reader: Discovery, run: str) -> set[str]:
+    return {a.peer_id for anns in reader.list_holders(run).values() for a in anns}
+
+
+def _start_node(kind: str, anchor: dict, d: Path, *, tty: bool = False) -> tuple[Command, str]:
+    """``seed`` a run of its own on the anchor's DHT, or ``join`` the anchor's run (block 1)."""
+    if kind == "seed":
+        run = f"lc-{d.name[-20:].replace('_', '-').strip('-')}"
+        args = ["seed", "--run-id", run, *SETS, "--block", "0"]
+    else:
+        run = ANCHOR_RUN
+        args = ["join", "--run", ANCHOR_RUN, "--block", "1"]
+    args += ["--initial-peers", anchor["maddrs"][0], *NODE_ARGS, "--checkpoint-dir", str(d / "ckpt"),
+             "--ready-file", str(d / "ready.json")]
+    if not tty:
+        args.append("--quiet")
+    return Command(args, d / "log", tty=tty), run
+
+
+NODE_CASES = {   # case -> (command, how the stop is asked for)
+    "ctrl-c-on-terminal": ("seed", "tty"),
+    "SIGINT-pid": ("join", (signal.SIGINT, False)),
+    "SIGINT-group": ("seed", (signal.SIGINT, True)),
+    "SIGTERM-pid": ("join", (signal.SIGTERM, False)),
+    "SIGTERM-group": ("join", (signal.SIGTERM, True)),
+}
+
+
+def _ask_to_stop(cmd: Command, how) -> None:
+    if how == "tty":
+        cmd.ctrl_c()
+    else:
+        sig, group = how
+        cmd.send(sig, group=group)
+
+
+@pytest.mark.parametrize("case", list(NODE_CASES))
+def test_node_leaves_on_signal(case, anchor, reader, tmp_path):
+    kind, how = NODE_CASES[case]
+    cmd, run = _start_node(kind, anchor, tmp_path, tty=how == "tty")
+    procs = []
+    try:
+        info = _ready(cmd, tmp_path / "ready.json")
+        port = info["http_port"]
+        assert port and _status(port)["self"]["http_port"] == port   # --http-port 0: the bound port, reported
+        step = wait_for(lambda: _status(port)["self"]["step"] >= 2 and _status(port)["self"]["step"], 60,
+                        "a few training steps")
+        wait_for(lambda: info["peer_id"] in _holders(reader, run), 30, "the node's announcement")
+        procs = cmd.tree()
+        names = [p.name() for p in procs]
+        assert "p2pd" in names and len(procs) >= 4, describe(procs)   # node, DHT, averager, p2pd (+ shm manager)
+        ckpt = tmp_path / "ckpt" / block_filename(info["block"])
+        assert not ckpt.exists()   # --checkpoint-every 1000000: only the final checkpoint writes it
+
+        t0 = time.monotonic()
+        _ask_to_stop(cmd, how)
+        rc = cmd.wait(30)
+        took = time.monotonic() - t0
+        withdrawn = wait_for(lambda: info["peer_id"] not in _holders(reader, run), 5, "the announcement withdrawn")
+        left = wait_gone(procs, EXIT_BOUND_S)
+        out = cmd.output()
+        report("node_signal", case=case, rc=rc, exit_s=round(took, 2), processes=len(procs),
+               left=len(left), stop_line=next((ln for ln in out.splitlines() if "left the run" in ln), None))
+        assert rc == 0, out[-3000:]
+        assert took < EXIT_BOUND_S
+        assert withdrawn
+        assert load_block(ckpt).step >= step
+        assert not left, describe(left)
+        stop_line = next(ln for ln in out.splitlines() if "left the run in" in ln)
+        assert "problems" not in stop_line   # every child stopped when asked, in order (none died first)
+    finally:
+        kill_all(cmd, procs)
+
+
+def test_second_signal_exits_at_once(anchor, tmp_path):
+    cmd, _ = _start_node("join", anchor, tmp_path)
+    procs = []
+    try:
+        _ready(cmd, tmp_path / "ready.json")
+        procs = cmd.tree()
+        t0 = time.monotonic()
+        cmd.send(signal.SIGINT, group=False)
+        time.sleep(0.05)
+        cmd.send(signal.SIGINT, group=False)
+        rc = cmd.wait(30)
+        took = time.monotonic() - t0
+        left = wait_gone(procs, EXIT_BOUND_S)
+        report("node_second_signal", rc=rc, exit_s=round(took, 2), left=len(left))
+        assert rc == 128 + signal.SIGINT, cmd.output()[-3000:]
+        assert "left the run in" not in cmd.output()   # it did not wait for the graceful stop
+        assert not left, describe(left)
+    finally:
+        kill_all(cmd, procs)
+
+
+def test_sigkilled_node_leaves_no_process(anchor, tmp_path):
+    cmd, _ = _start_node("join", anchor, tmp_path)
+    procs = []
+    try:
+        _ready(cmd, tmp_path / "ready.json")
+        procs = cmd.tree()
+        cmd.send(signal.SIGKILL, group=False)   # the main process only: its children must go on their own
+        assert cmd.wait(10) == -signal.SIGKILL
+        left = wait_gone(procs, EXIT_BOUND_S)
+        report("node_sigkill", processes=len(procs), left=len(left))
+        assert not left, describe(left)
+    finally:
+        kill_all(cmd, procs)
+
+
+def test_hivemind_children_outlive_group_signals(tmp_path):
+    """A Ctrl-C or ``kill -- -PGID`` reaches every process of the group at once: the DHT process and
+    p2pd must still be there and answering, so the node (here a plain Discovery holder that shrugs
+    the signals off) can still withdraw its records and stop them in order."""
+    probe = JsonLinesProc("probe", [sys.executable, str(Path(__file__).parent / "test_utils" / "dht_probe.py")],
+                          tmp_path / "probe.log")
+    procs = []
+    try:
+        assert probe._ready(120).get("event") == "ready"
+        procs = [psutil.Process(probe.proc.pid), *psutil.Process(probe.proc.pid).children(recursive=True)]
+        assert "p2pd" in [p.name() for p in procs], describe(procs)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            os.killpg(probe.proc.pid, sig)
+        time.sleep(3)   # p2pd, left to itself, is gone within a second of a SIGINT
+        probe.send("check")
+        res = probe._next(30)["result"]
+        dead = [p for p in procs if p not in running(procs)]
+        report("group_signals_children", answers=res["answers"], dead=describe(dead), signals=res["signals"])
+        assert not dead, describe(dead)
+        assert res["answers"], res["error"]
+        assert sorted(res["signals"]) == [signal.SIGINT, signal.SIGTERM]   # the signals did arrive
+        probe.send("quit")
+        assert probe.wait(30) == 0
+        assert not wait_gone(procs, EXIT_BOUND_S)
+    finally:
+        probe.stop(timeout=1)
+        kill_all_procs(procs)
+
+
+# -- bt-node swarm ------------------------------------------------------------------------------
+SWARM_ARGS = ["swarm", "--nodes", "2", "--budget", "2s", "--data", str(TEST_CORPUS), "--gen-bytes", "8",
+              *[x for kv in [*TINY, "n_blocks=2"] for x in ("--set", kv)]]
+KEPT = "network kept running"
+SWARM_CASES = {
+    "ctrl-c-on-terminal": "tty",
+    "SIGINT-pid": (signal.SIGINT, False),
+    "SIGINT-group": (signal.SIGINT, True),
+    "SIGTERM-pid": (signal.SIGTERM, False),
+    "SIGTERM-group": (signal.SIGTERM, True),
+}
+
+
+def _start_swarm(tmp_path: Path, *, tty: bool) -> Command:
+    return Command([*SWARM_ARGS, "--keep-running", "--workdir", str(tmp_path / "swarm")], tmp_path / "log", tty=tty)
+
+
+def _node_dirs(tmp_path: Path) -> list[Path]:
+    return sorted(p for p in (tmp_path / "swarm").glob("node*") if p.is_dir())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SWARM_CASES))
+def test_swarm_stops_everything_on_signal(case, tmp_path):
+    how = SWARM_CASES[case]
+    cmd = _start_swarm(tmp_path, tty=how == "tty")
+    procs = []
+    try:
+        cmd.wait_output(KEPT, 240)
+        dirs = _node_dirs(tmp_path)
+        steps = {}
+        for d in dirs:
+            info = json.loads((d / "ready.json").read_text())
+            steps[d.name] = (info["block"], _status(info["http_port"])["self"]["step"])
+        procs = cmd.tree()
+        assert sum(p.name() == "p2pd" for p in procs) == 2 and len(procs) >= 9, describe(procs)   # swarm + 2 x 4
+
+        t0 = time.monotonic()
+        _ask_to_stop(cmd, how)
+        rc = cmd.wait(30)
+        took = time.monotonic() - t0
+        left = wait_gone(procs, EXIT_BOUND_S)
+        report("swarm_signal", case=case, rc=rc, exit_s=round(took, 2), processes=len(procs), left=len(left))
+        assert rc == 0, cmd.output()[-3000:]
+        assert took < EXIT_BOUND_S
+        for d in dirs:   # every node left gracefully: its final checkpoint is at least where it was
+            block, step = steps[d.name]
+            assert load_block(d / "ckpt" / block_filename(block)).step >= step
+            stop_line = next(ln for ln in (d / "node.log").read_text().splitlines() if "left the run in" in ln)
+            assert "problems" not in stop_line
+        assert not left, describe(left)
+    finally:
+        kill_all(cmd, procs)
+
+
+@pytest.mark.slow
+def test_sigkilled_swarm_leaves_no_process(tmp_path):
+    cmd = _start_swarm(tmp_path, tty=False)
+    procs = []
+    try:
+        cmd.wait_output(KEPT, 240)
+        procs = cmd.tree()
+        cmd.send(signal.SIGKILL, group=False)
+        assert cmd.wait(10) == -signal.SIGKILL
+        left = wait_gone(procs, EXIT_BOUND_S)
+        report("swarm_sigkill", processes=len(procs), left=len(left))
+        assert not left, describe(left)
+        for d in _node_dirs(tmp_path):   # the parent-death signal made each node leave gracefully
+            assert "left the run in" in (d / "node.log").read_text()
+    finally:
+        kill_all(cmd, procs)
+
