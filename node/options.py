@@ -39,6 +39,8 @@ class NodeOptions:
     averaging_compression: str = "fp32"        # fp32 | fp16 | 8bit: what the all-reduce sends
     inject_delay_ms: float = 0.0               # benchmark/testing knob: one-way delay per hop RPC
     upstream_refresh: float = 30.0             # forward-chained: seconds between snapshot refreshes of blocks < b
+    rebalance: bool = True                     # move to a needier block (node/rebalance.py); False pins the block
+    rebalance_dwell: float = 600.0             # seconds a block is held before the node may leave it
     operator_token: bytes | None = field(default=None, init=False, repr=False)   # read once from the file
 
     def __post_init__(self) -> None:
@@ -71,5 +73,7 @@ class NodeOptions:
             raise ValueError(f"--averaging-compression must be fp32, fp16 or 8bit, got {self.averaging_compression!r}")
         if not 1.0 <= self.upstream_refresh <= 86_400.0:
             raise ValueError(f"--upstream-refresh must be in [1, 86400] seconds, got {self.upstream_refresh}")
+        if not 0.0 <= self.rebalance_dwell <= 86_400.0:
+            raise ValueError(f"--rebalance-dwell must be in [0, 86400] seconds, got {self.rebalance_dwell}")
         if not 0.0 <= self.inject_delay_ms <= 10_000.0:
             raise ValueError(f"--inject-delay-ms must be in [0, 10000], got {self.inject_delay_ms}")
