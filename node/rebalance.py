@@ -96,6 +96,10 @@ class Rebalancer:
                 reason = str(e) if isinstance(e, MoveRefused) else f"{type(e).__name__}: {e}"
                 self._abandon(t, new_avg, reason)
                 return None
+            try:   # committed: from here on block t is this node's, whatever the DHT says
+                self._reannounce(withdraw_block=m)
+            except Exception as e:   # the old record then lives out its TTL
+                n._error(f"withdrawing the record of block {m} after the move: {type(e).__name__}: {e}")
         self.moves.append({"from": m, "to": t, "at": time.time(), "took_s": round(time.monotonic() - t0, 2),
                            "state_from": fetched.peer, "step": trainer.step})
         del self.moves[:-50]
@@ -140,7 +144,6 @@ class Rebalancer:
         n.router.local_hops = {trainer.block_index: trainer.hop}
         n.block_index, n.block_since, n.moving_to = trainer.block_index, time.monotonic(), None
         n.downloaded = {"from_move": True}
-        self._reannounce(withdraw_block=m)
 
     def _reannounce(self, withdraw_block: int) -> None:
         """Tombstone this node's record of ``withdraw_block`` and keep refreshing the others."""
