@@ -81,7 +81,8 @@ def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, sessi
     come and go with heavy-tailed sessions, take a block with the node's own choose_block,
     optionally rebalance with the node's own policy (node/routing/selection.py), download,
     announce with a TTL (crashed members' records linger), average in groups of up to 4 and serve
-    generations with failover. Churn and timings are assumptions, printed with the table.
+    generations with failover. Churn and timings are assumptions, printed with the table;
+    --download-median-s, --round-window-s and --hop-failure take measured values (BENCHMARKS.md).
     Example:
       bt-node bench simulate --seeds 5 --plot docs/simulation_coverage.png
     """

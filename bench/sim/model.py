@@ -21,7 +21,8 @@ CHURN_PRESETS: dict[str, dict] = {
 
 ASSUMED = {
     "sessions": "heavy-tailed session lengths (log-normal or Pareto, parameters above); offline gaps exponential",
-    "download": "block download time log-normal, median 60 s, sigma 0.8 (p95 ~3.7 min): to calibrate on a real run",
+    "download": "block download time log-normal, median 60 s, sigma 0.8 (p95 ~3.7 min); the 16-node run measured "
+                "97.5 s from process start to serving (tiny blocks, loaded 2-core machine; BENCHMARKS.md)",
     "graceful": "half of the leaves withdraw their announcement at once; the others' records live out their TTL",
     "dht": "announcements are visible to everyone as soon as they are stored (no propagation delay)",
     "averaging": "a round per block every 60 s: every ready holder of the block takes part, split into "
