@@ -50,6 +50,10 @@ def simulate_table(res: dict) -> Table:
 @click.option("--pareto-alpha", type=click.FloatRange(min=1, min_open=True), default=None, help="Pareto shape [1.5].")
 @click.option("--download-median-s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Median block download time, seconds (log-normal, sigma 0.8) [60].")
+@click.option("--round-window-s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Averaging round window (matchmaking + all-reduce), seconds [8].")
+@click.option("--hop-failure", type=click.FloatRange(0, 1, max_open=True), default=None,
+              help="Probability that one hop try at a ready holder fails anyway [0].")
 @click.option("--graceful", type=click.FloatRange(0, 1), default=None,
               help="Fraction of leaves that withdraw their announcement at once [0.5].")
 @click.option("--policy", type=click.Choice(["both", "join-only", "rebalance"]), default="both", show_default=True,
@@ -68,7 +72,7 @@ def simulate_table(res: dict) -> Table:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @friendly
 def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, session_dist, session_median_h,
-                       session_sigma, pareto_alpha, download_median_s, graceful, policy, min_surplus, min_keep,
+                       session_sigma, pareto_alpha, download_median_s, round_window_s, hop_failure, graceful, policy, min_surplus, min_keep,
                        min_dwell_s, seeds, seed, plot, record, as_json):
     """Simulate a volunteer network under churn: block coverage, averaging, generation, moves.
 
@@ -77,7 +81,8 @@ def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, sessi
     come and go with heavy-tailed sessions, take a block with the node's own choose_block,
     optionally rebalance with the node's own policy (node/routing/selection.py), download,
     announce with a TTL (crashed members' records linger), average in groups of up to 4 and serve
-    generations with failover. Churn and timings are assumptions, printed with the table.
+    generations with failover. Churn and timings are assumptions, printed with the table;
+    --download-median-s, --round-window-s and --hop-failure take measured values (BENCHMARKS.md).
     Example:
       bt-node bench simulate --seeds 5 --plot docs/simulation_coverage.png
     """
@@ -88,6 +93,7 @@ def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, sessi
                        policy=RebalancePolicy(min_surplus=min_surplus, min_keep=min_keep, min_dwell_s=min_dwell_s))
     named = {"join_rate_per_day": join_rate, "session_dist": session_dist, "session_median_h": session_median_h,
              "session_sigma": session_sigma, "pareto_alpha": pareto_alpha, "download_median_s": download_median_s,
+             "round_window_s": round_window_s, "hop_failure": hop_failure,
              "graceful_fraction": graceful}
     overrides = {k: v for k, v in named.items() if v is not None}
     churns = list(dict.fromkeys(churns)) or ["volunteer", "harsh"]

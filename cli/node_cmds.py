@@ -57,6 +57,11 @@ def node_options(fn):
         click.option("--upstream-refresh", type=click.FloatRange(1, 86400), default=30.0, show_default=True,
                      help="forward-chained and forward-residual runs only: seconds between re-downloads of the blocks before this "
                           "node's block, whose outputs it trains on."),
+        click.option("--rebalance/--no-rebalance", default=True, show_default=True,
+                     help="Move to a block with far fewer holders when this one has many more (same policy as "
+                          "`bt-node bench simulate`); --no-rebalance pins the block."),
+        click.option("--rebalance-dwell", type=click.FloatRange(0, 86400), default=600.0, show_default=True,
+                     help="Seconds a block is held before the node may move away from it."),
         click.option("--seed", "sample_seed", type=int, default=0, show_default=True),
         click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
                      help="Write a JSON line with peer id, addresses and ports once serving (for scripts)."),
@@ -245,7 +250,8 @@ def pipeline_options(fn):
 @friendly
 def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpoint_dir, block, device, host, port,
          announce_host, http_port, http_host, average_every, average_period, checkpoint_every, max_steps,
-         eval_every, sample_seed, ready_file, quiet, averaging_compression, inject_delay_ms, upstream_refresh):
+         eval_every, sample_seed, ready_file, quiet, averaging_compression, inject_delay_ms, upstream_refresh,
+         rebalance, rebalance_dwell):
     """Start the first node of a NEW run: publish its manifest, hold a block, print the address.
 
     \b
@@ -260,7 +266,7 @@ def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpo
                    http_host=http_host, average_every=average_every, average_period=average_period,
                    checkpoint_every=checkpoint_every, max_steps=max_steps, eval_every=eval_every, seed=sample_seed,
                    averaging_compression=averaging_compression, inject_delay_ms=inject_delay_ms,
-                   upstream_refresh=upstream_refresh)
+                   upstream_refresh=upstream_refresh, rebalance=rebalance, rebalance_dwell=rebalance_dwell)
     _run_node(opts, ready_file, quiet, "Seeded")
 
 
@@ -278,7 +284,7 @@ def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpo
 @friendly
 def join(initial_peers, run_id, data, checkpoint_dir, block, device, host, port, announce_host, http_port,
          http_host, average_every, average_period, checkpoint_every, max_steps, eval_every, sample_seed, ready_file, quiet,
-         averaging_compression, inject_delay_ms, upstream_refresh):
+         averaging_compression, inject_delay_ms, upstream_refresh, rebalance, rebalance_dwell):
     """Join a run: pick the least-held block, download its current state, train, average and serve.
 
     A member nobody can dial (behind NAT) notices at join (its initial peers try to dial it back),
@@ -297,7 +303,7 @@ def join(initial_peers, run_id, data, checkpoint_dir, block, device, host, port,
                    average_every=average_every, average_period=average_period,
                    checkpoint_every=checkpoint_every, max_steps=max_steps, eval_every=eval_every, seed=sample_seed,
                    averaging_compression=averaging_compression, inject_delay_ms=inject_delay_ms,
-                   upstream_refresh=upstream_refresh)
+                   upstream_refresh=upstream_refresh, rebalance=rebalance, rebalance_dwell=rebalance_dwell)
     _run_node(opts, ready_file, quiet, "Joined")
 
 

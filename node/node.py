@@ -11,6 +11,9 @@ are what they may ask of it.
 
 :meth:`stop` leaves within :data:`STOP_DEADLINE` seconds whatever hangs: every teardown step has a
 budget (the ``budget=`` of each push below; ``teardown.timings`` records what each took).
+
+Over 400 lines because the start order, the block a node serves (which a rebalancing move,
+``node/rebalance.py``, swaps) and the stop are one composition; splitting them would scatter it.
 """
 from __future__ import annotations
 
@@ -86,6 +89,12 @@ class Node:
         self.discovery = self.trainer = self.averager = self.http = self.upstream = None
         self.server = self.client = self.router = None
         self.pipeline = None                  # the pipeline engine, for chain-trained runs (node/pipeline)
+        self.block_since = time.monotonic()   # when this node took its current block (rebalancing dwell)
+        self.moving_to: int | None = None     # a rebalancing move in progress (node/rebalance.py)
+        self.rebalancer = None
+        self.old_averager = None              # a move's old averager, until the move retires it
+        self._serving: dict[int, BlockTrainer] = {}   # block -> trainer answering its hops and state RPC
+        self._handlers: dict = {}
         self._checkpoint_ok = False
         self._avg_wakeup = threading.Event()
 
@@ -123,11 +132,8 @@ class Node:
         self._start_rpc()
         if not self.trainer.objective.block_local:   # pipeline / forward-streamed: train along the chain
             self.pipeline = start_pipeline(self)
-        self.averager = BlockAverager(self.discovery.dht, self.trainer, self.run_id, peer_id=self.peer_id,
-                                      compression=o.averaging_compression,
-                                      authorize=self.auth.authorize if self.auth.restricted else None,
-                                      prefix=self.auth.averaging_prefix(self.run_id, self.block_index))
-        td.push("averager", lambda: _asked("the averager process", self.averager.shutdown()), budget=3.0)
+        self.averager = self.new_averager(self.trainer)
+        td.push("averager", self._stop_averagers, budget=3.0)
         if self.upstream is not None and self.block_index > 0:
             self.refresh_upstream()   # before the late join: judging a download needs blocks < b
         self._late_join()
@@ -137,7 +143,7 @@ class Node:
             self.http = HttpServer(self, o.http_host, o.http_port, operator_token=o.operator_token)
             self.http.start()
             td.push("http", self.http.stop, budget=2.0)
-        self.discovery.start_announcing(self.announcement)
+        self.discovery.start_announcing(self.announcements)
         td.push("announcements", lambda: self.discovery.stop_announcing(withdraw=True, timeout=2.5), budget=3.0)
         td.push("final checkpoint", self._final_checkpoint, budget=4.0)
         self._start_loop("train", self._train if self.pipeline is None else self.pipeline.run)
@@ -148,7 +154,18 @@ class Node:
             self._start_loop("eval", self._eval)
         if self.reach.private:
             self._start_loop("reachability", self.reach.run)
+        # forward-chained (snapshots of blocks < b) and chain-trained runs (an engine built for one block) stay put
+        if o.rebalance and not self.trainer.objective.needs_upstream and self.pipeline is None:
+            from blocktrain.node.rebalance import Rebalancer
+            self.rebalancer = Rebalancer(self, dwell_s=o.rebalance_dwell, period_s=o.ttl / 3)
+            self._start_loop("rebalance", self.rebalancer.run)
         return self
+
+    def _stop_averagers(self) -> None:
+        old, self.old_averager = self.old_averager, None   # a move's old one, if a stop came mid-move
+        if old is not None:
+            old.shutdown()
+        _asked("the averager process", self.averager.shutdown())
 
     def _start_loop(self, name: str, body) -> None:
         loop = Loop(name, body, on_crash=self._crashed).start()
@@ -202,26 +219,57 @@ class Node:
         self.block_index = b
         if o.config is None:   # a member: its own --data, else the run's named dataset (never a path)
             self.split, self.data_used = member_data(self.manifest.data_spec, o.data, cfg.seq_len, o.checkpoint_dir)
-        worker = int(hashlib.sha256(self.peer_id.encode()).hexdigest()[:8], 16)
-        device = pick_device(o.device)
         objective = get_objective(cfg)
         if objective.needs_upstream:   # block 0 keeps none, but reports that in its status
-            self.upstream = UpstreamSnapshots(objective, b, device, refresh_s=o.upstream_refresh)
-        self.trainer = BlockTrainer(cfg, b, self.split.train, self.split.eval, device=device, seed=o.seed,
-                                    worker_id=worker, upstream=self.upstream)
+            self.upstream = UpstreamSnapshots(objective, b, pick_device(o.device), refresh_s=o.upstream_refresh)
+        self.trainer = self.new_trainer(b)
         self.resumed = self.trainer.resume(o.checkpoint_dir)
         self._checkpoint_ok = True   # from here on a final checkpoint cannot overwrite one we failed to load
+
+    def new_trainer(self, b: int) -> BlockTrainer:
+        """A fresh trainer of block ``b`` on this node's data, device and seed (at start, or for a move)."""
+        o = self.opts
+        worker = int(hashlib.sha256(self.peer_id.encode()).hexdigest()[:8], 16)
+        return BlockTrainer(self.cfg, b, self.split.train, self.split.eval, device=pick_device(o.device),
+                            seed=o.seed, worker_id=worker, upstream=self.upstream)
+
+    def new_averager(self, trainer: BlockTrainer) -> BlockAverager:
+        """The averager (a child process) of ``trainer``'s block."""
+        o, b = self.opts, trainer.block_index
+        return BlockAverager(self.discovery.dht, trainer, self.run_id, peer_id=self.peer_id,
+                             compression=o.averaging_compression,
+                             authorize=self.auth.authorize if self.auth.restricted else None,
+                             prefix=self.auth.averaging_prefix(self.run_id, b))
+
+    def _hop(self, req):
+        """The RPC server's hop handler: the request's block, if this node serves it now."""
+        handler = self._handlers.get(req.block_index)
+        if handler is None:
+            raise ValueError(f"block {req.block_index} is not served here any more")
+        return handler(req)
+
+    def serve_block(self, trainer: BlockTrainer) -> None:
+        """Answer hops and state requests for ``trainer``'s block (at start, and a move's new block)."""
+        b = trainer.block_index
+        self._serving[b] = trainer
+        self._handlers[b] = serve_local(trainer.hop)
+        self.server.limits = dataclasses.replace(self.server.limits, allowed_blocks=frozenset({b}))
+        self.loop.run(self.server.add_block(b), timeout=30)
+
+    def unserve_block(self, b: int) -> None:
+        self.loop.run(self.server.remove_block(b), timeout=30)
+        self._handlers.pop(b, None)
+        self._serving.pop(b, None)
 
     def _start_rpc(self) -> None:
         cfg, b, o, p2p = self.cfg, self.block_index, self.opts, self.p2p
         objective = self.trainer.objective
         limits = HopLimits(allowed_blocks=frozenset({b}), max_batch=64, max_seq=cfg.seq_len,
                            state_dim=objective.state_dim(), vocab_size=cfg.vocab_size)
-        self.server = BlockRPCServer(p2p, self.run_id, limits, serve_local(self.trainer.hop),
-                                     lambda _b: self.trainer.served_state(),
+        self.server = BlockRPCServer(p2p, self.run_id, limits, self._hop, lambda blk: self._serving[blk].served_state(),
                                      inject_delay_s=o.inject_delay_ms / 1000.0,
                                      authorize=self.auth.authorize if self.auth.restricted else None)
-        self.loop.run(self.server.add_block(b), timeout=30)
+        self.serve_block(self.trainer)
         self.teardown.push("rpc server", lambda: self.loop.run(self.server.close(), timeout=1.0), budget=1.5)
         self.loop.run(InfoService.serve(p2p, self._info), timeout=30)
         self.client = HopClient(p2p, self.run_id, loop=self.loop)
@@ -260,6 +308,15 @@ class Node:
                                         samples_seen=int(got.meta.get("samples_seen", 0)))
                 self.downloaded = got.meta
 
+    def announcements(self) -> list[BlockAnnouncement]:
+        """What the refresher stores: this node's block, and while it moves, the block it is joining."""
+        anns = [self.announcement()]
+        moving_to = self.moving_to
+        if moving_to is not None:
+            anns.append(anns[0].model_copy(update={"block_index": moving_to, "state": "joining", "step": 0,
+                                                    "samples_seen": 0, "loss": None, "last_round_time": None}))
+        return anns
+
     def announcement(self) -> BlockAnnouncement:
         t = self.trainer
         return BlockAnnouncement(
@@ -276,8 +333,8 @@ class Node:
         return not o.train or (o.max_steps is not None and self.trainer.step >= o.max_steps)
 
     def _train(self, stop: threading.Event) -> None:
-        t = self.trainer
         while not stop.is_set():
+            t = self.trainer   # re-read: a rebalancing move swaps it between steps
             if self._idle() or not t.ready():
                 stop.wait(0.5)
                 continue

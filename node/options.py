@@ -44,6 +44,8 @@ class NodeOptions:
     pipeline_accumulate: int = 1               # micro-batches per optimizer step
     pipeline_compression: str = "fp32"         # fp32 | fp16 | 8bit: activations and gradients sent
     pipeline_timeout: float = 60.0             # seconds a micro-batch may take, block 0 and back
+    rebalance: bool = True                     # move to a needier block (node/rebalance.py); False pins the block
+    rebalance_dwell: float = 600.0             # seconds a block is held before the node may leave it
     operator_token: bytes | None = field(default=None, init=False, repr=False)   # read once from the file
 
     def __post_init__(self) -> None:
@@ -79,5 +81,7 @@ class NodeOptions:
         from .pipeline.settings import PipelineSettings   # the pipeline flags' checks live with the engine
         PipelineSettings(inflight=self.pipeline_inflight, accumulate=self.pipeline_accumulate,
                          codec=self.pipeline_compression, timeout_s=self.pipeline_timeout)
+        if not 0.0 <= self.rebalance_dwell <= 86_400.0:
+            raise ValueError(f"--rebalance-dwell must be in [0, 86400] seconds, got {self.rebalance_dwell}")
         if not 0.0 <= self.inject_delay_ms <= 10_000.0:
             raise ValueError(f"--inject-delay-ms must be in [0, 10000], got {self.inject_delay_ms}")

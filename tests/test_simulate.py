@@ -128,3 +128,16 @@ def test_cli_json_is_one_line():
     for sc in res["scenarios"].values():
         assert set(sc["runs"]) == {"join-only", "join+rebalance"}
         assert 0.0 <= sc["runs"]["join-only"]["coverage"] <= 1.0
+
+
+def test_hop_failure_costs_generations_when_tries_run_out():
+    """A measured per-try hop failure rate (calibration) lowers generation success: with one try per
+    block every failed hop is a failed generation; with five tries almost none is."""
+    polite = replace(CHURNY, graceful_fraction=1.0)
+    clean = simulate(replace(polite, attempts=1))
+    flaky1 = simulate(replace(polite, attempts=1, hop_failure=0.1))
+    flaky5 = simulate(replace(polite, attempts=5, hop_failure=0.1))
+    assert flaky1["generation_success"] < clean["generation_success"] - 0.05
+    assert flaky5["generation_success"] > flaky1["generation_success"] + 0.05
+    with pytest.raises(ValueError, match="hop_failure"):
+        replace(CHURNY, hop_failure=1.0).validate()

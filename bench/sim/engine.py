@@ -243,13 +243,20 @@ class Simulation:
             self.gen_ok.append(0.0)
             self.gen_uncovered += 1
             return
-        p = 1.0                       # P(a generation now succeeds): per block, P(not all tries hit dead records)
+        p = 1.0                       # P(a generation now succeeds): per block, P(some try succeeds)
+        f = self.s.hop_failure
         for b in range(self.s.blocks):
             n, good = len(self.ann_online[b]), self.ready[b]
             k = min(self.s.attempts, n)
             dead = n - good
-            if dead >= k:
-                p *= 1.0 - comb(dead, k) / comb(n, k)
+            if f == 0.0:              # every try at a ready holder succeeds: fail only if all k hit dead records
+                if dead >= k:
+                    p *= 1.0 - comb(dead, k) / comb(n, k)
+                continue
+            # j of the k tries hit ready holders (hypergeometric), each of those fails with probability f
+            fail = sum(comb(good, j) * comb(dead, k - j) / comb(n, k) * f ** j
+                       for j in range(max(0, k - dead), min(k, good) + 1))
+            p *= 1.0 - fail
         self.gen_ok.append(p)
 
     def rebalance(self) -> None:

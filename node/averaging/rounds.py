@@ -40,6 +40,7 @@ class AveragingStats:
     last_verdict: str = ""
     last_failure: str = ""    # why the last round that formed no usable group failed
     history: list = field(default_factory=list)   # (time, group size, accepted, reason)
+    round_seconds: list = field(default_factory=list)   # wall time of recent rounds that formed a group
     compression: str = "fp32"
 
 
@@ -100,6 +101,7 @@ class BlockAverager:
         stamp = {"round": self.round_no, "step": step, "peer": self.peer_id,
                  "config_hash": t.cfg.config_hash, "n_tensors": len(snapshot),
                  "weight": weight, "sketch": weight_sketch(snapshot)}
+        t0 = time.monotonic()
         try:
             res = self.handle.round(snapshot, weight=weight, gather=stamp, refused=self.bans.banned(),
                                     cancel=self.cancel_event)
@@ -107,6 +109,8 @@ class BlockAverager:
             if e.refused:   # we left a group holding banned peers
                 return self._record(Verdict(False, e.reason), 0)
             return self._failed(e.reason)
+        self.stats.round_seconds.append(round(time.monotonic() - t0, 3))
+        del self.stats.round_seconds[:-100]
         gathered = res.gathered
         others = [p for p in gathered if p != self.peer_id]
         verdict = check_group(gathered, self_peer=self.peer_id, config_hash=t.cfg.config_hash,

@@ -1,9 +1,11 @@
-"""A real ``bt-node`` whose every hop answer is poisoned, the way a buggy or hostile holder answers.
+"""A real ``bt-node`` whose every hop answer (or block state) is poisoned, the way a buggy or
+hostile holder answers.
 
-    python tests/test_utils/faulty_node.py nan_hops|inf_hops|shape_hops join --initial-peers ...
+    python tests/test_utils/faulty_node.py nan_hops|inf_hops|shape_hops|nan_state join --initial-peers ...
 
 The fault wraps the node's hop handler from the test side (the server-side hop adapter the node
-hands to its RPC server); the product itself has no fault knob.
+hands to its RPC server), or for ``nan_state`` the block state its RPC serves (what late joiners
+and rebalancing movers download; its hops stay honest); the product itself has no fault knob.
 """
 from __future__ import annotations
 
@@ -34,12 +36,24 @@ def poisoned(kind: str, serve_local):
     return wrap
 
 
+def nan_state(served_state):
+    """Wrap ``BlockTrainer.served_state`` so that every tensor it serves is NaN."""
+    def bad(self):
+        meta, tensors = served_state(self)
+        return meta, {k: torch.full_like(v, float("nan")) for k, v in tensors.items()}
+    return bad
+
+
 def main(argv: list[str]) -> None:
-    if not argv or argv[0] not in FAULTS:
-        sys.exit(f"usage: faulty_node.py {{{','.join(FAULTS)}}} BT-NODE-ARGS...")
+    if not argv or argv[0] not in (*FAULTS, "nan_state"):
+        sys.exit(f"usage: faulty_node.py {{{','.join(FAULTS)},nan_state}} BT-NODE-ARGS...")
     from blocktrain.cli.main import main as bt_node
     from blocktrain.node import node as node_module
-    node_module.serve_local = poisoned(argv[0], node_module.serve_local)
+    if argv[0] == "nan_state":
+        from blocktrain.node.trainer import BlockTrainer
+        BlockTrainer.served_state = nan_state(BlockTrainer.served_state)
+    else:
+        node_module.serve_local = poisoned(argv[0], node_module.serve_local)
     sys.argv = ["bt-node", *argv[1:]]
     bt_node()
 

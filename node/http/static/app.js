@@ -173,6 +173,18 @@
     setText("self-origin", s.resumed ? "its checkpoint (resumed)"
             : s.downloaded_state ? "state downloaded from a peer" : "fresh initialisation");
     setText("self-reach", s.reachability);
+    setText("self-rebalance", describeRebalance(s.rebalance));
+  }
+
+  function describeRebalance(r) {
+    if (!r || !r.enabled) return "off (block pinned)";
+    if (Number.isInteger(r.moving_to)) return "moving to block " + r.moving_to;
+    const moves = r.moves || [];
+    let text = moves.length ? moves.length + " move(s); last: block " + moves[moves.length - 1].from + " \u2192 " +
+      moves[moves.length - 1].to + " at " + fmtClock(moves[moves.length - 1].at) : "no move yet";
+    const refused = r.refused || [];
+    if (refused.length) text += "; last refused move: " + refused[refused.length - 1].reason;
+    return text;
   }
 
   function renderAveraging(a, st) {

@@ -1,0 +1,180 @@
+"""Rebalancing in a running node: move to a needier block, make before break.
+
+The decision is :func:`~blocktrain.node.routing.selection.choose_rebalance`, the same code the
+simulator (``bench/sim``) runs, checked once per announcement period (TTL/3) with a fresh random
+draw. Its hysteresis (a surplus of 2, the old block keeps 2, ``min_dwell_s`` on a block before
+leaving it, a probability so that not every donor moves at once) keeps nodes from flapping; a move
+that fails restarts the dwell, so a node does not retry a refused move every period.
+
+A move from block m to block t (:meth:`Rebalancer.move`), while the node keeps training and serving m:
+
+1. announce t as ``joining`` (the refresher stores both records; ``block_load`` then counts this
+   node in t only, so other donors do not rush to the same hole);
+2. download t's state from a live holder through :class:`~blocktrain.node.state_fetch.StateFetcher`
+   (finite, loads strictly), and judge it as a late joiner judges a download: the config hash must
+   match and its held-out check loss must not be worse than a fresh block's; a bad offer is refused
+   and the next holder asked; no acceptable offer: the move is abandoned (the ``joining`` record is
+   tombstoned), nothing of block m changed;
+3. start t's averager (a child process), serve t's hops and state, then switch: trainer, averager,
+   router, announcement (t ``online``); m's checkpoint is written and m's record tombstoned;
+4. after a grace period (routers cache holder lists for 3 s) stop serving m and its averager.
+
+Forward-chained objectives (a block trains on snapshots of the blocks before it) do not move: the
+node does not start a rebalancer for them (a move would also have to rebuild those snapshots).
+"""
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+from blocktrain.node.routing.selection import RebalancePolicy, block_load, choose_rebalance
+from blocktrain.node.state_fetch import StateFetcher
+
+log = logging.getLogger(__name__)
+GRACE_S = 5.0   # keep serving the old block this long after its tombstone (routers cache holders 3 s)
+
+
+class MoveRefused(Exception):
+    """A move abandoned before the switch; the node still holds its old block, unchanged."""
+
+
+class Rebalancer:
+    def __init__(self, node, *, dwell_s: float, period_s: float, policy: RebalancePolicy | None = None,
+                 rng: random.Random | None = None):
+        self.node = node
+        self.policy = policy or RebalancePolicy(min_dwell_s=dwell_s)
+        self.period_s = period_s
+        self.rng = rng or random.Random()
+        self.moves: list[dict] = []          # finished moves: from, to, at, took_s, state_from
+        self.refused: list[dict] = []        # abandoned moves: to, at, reason
+        self.checks = 0
+        self.last_view: list[int] | None = None   # live holders per block at the last check
+        self._lock = threading.Lock()
+
+    def status(self) -> dict:
+        n = self.node
+        return {"enabled": True, "checks": self.checks, "moving_to": n.moving_to,
+                "held_for_s": round(time.monotonic() - n.block_since, 1),
+                "min_dwell_s": self.policy.min_dwell_s, "last_view": self.last_view,
+                "moves": self.moves[-10:], "refused": self.refused[-10:]}
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.period_s):
+            self.check(stop)
+
+    def check(self, stop: threading.Event) -> int | None:
+        """One look at the run: move if the policy says so; returns the block moved to, or None."""
+        n = self.node
+        self.checks += 1
+        holders = n.discovery.list_holders(n.run_id)
+        self.last_view = block_load(holders, n.cfg.n_blocks)[0]
+        t = choose_rebalance(holders, n.cfg.n_blocks, n.block_index, n.peer_id,
+                             held_for_s=time.monotonic() - n.block_since, draw=self.rng.random(), policy=self.policy)
+        if t is None or stop.is_set():
+            return None
+        return self.move(t, holders, stop)
+
+    def move(self, t: int, holders: dict, stop: threading.Event) -> int | None:
+        n = self.node
+        m, t0 = n.block_index, time.monotonic()
+        log.info("rebalancing: moving from block %d to block %d (holders per block %s)", m, t, self.last_view)
+        with self._lock:
+            new_avg = None
+            n.moving_to = t
+            try:
+                n.discovery.announce(n.announcements()[-1])   # t as joining, now (the refresher repeats it)
+                trainer, fetched = self._download(t, holders)
+                if stop.is_set():
+                    raise MoveRefused("the node is stopping")
+                new_avg = n.new_averager(trainer)
+                if stop.is_set():
+                    raise MoveRefused("the node is stopping")
+                self._switch(m, trainer, new_avg)
+            except Exception as e:
+                reason = str(e) if isinstance(e, MoveRefused) else f"{type(e).__name__}: {e}"
+                self._abandon(t, new_avg, reason)
+                return None
+            try:   # committed: from here on block t is this node's, whatever the DHT says
+                self._reannounce(withdraw_block=m)
+            except Exception as e:   # the old record then lives out its TTL
+                n._error(f"withdrawing the record of block {m} after the move: {type(e).__name__}: {e}")
+        self.moves.append({"from": m, "to": t, "at": time.time(), "took_s": round(time.monotonic() - t0, 2),
+                           "state_from": fetched.peer, "step": trainer.step})
+        del self.moves[:-50]
+        log.info("rebalancing: now holding block %d (was %d), took %.1f s", t, m, time.monotonic() - t0)
+        stop.wait(GRACE_S)
+        self._retire(m)
+        return t
+
+    def _download(self, t: int, holders: dict):
+        """A trainer of block t holding a checked state downloaded from one of t's live holders."""
+        n = self.node
+        others = [a for a in holders.get(t, []) if a.is_live and a.peer_id != n.peer_id]
+        trainer = n.new_trainer(t)
+        fresh = trainer.check_loss()
+        max_up = n.averager.policy.max_loss_increase
+        while others:
+            got = n.fetcher.fetch(t, others, errors=n.errors)
+            if got is None:
+                break
+            others = [a for a in others if a.peer_id != got.peer]
+            why = None
+            if got.meta.get("config_hash") != n.cfg.config_hash:
+                why = "its config hash differs from the run's"
+            else:
+                offered = trainer.check_loss(StateFetcher.build_checked(trainer.objective, t, got.tensors))
+                if not offered < fresh + max_up:   # NaN fails too
+                    why = f"its held-out check loss ({offered:.3f}) is worse than a fresh block's ({fresh:.3f})"
+            if why is None:
+                trainer.load_state(got.tensors, step=int(got.meta.get("step", 0)),
+                                   samples_seen=int(got.meta.get("samples_seen", 0)))
+                return trainer, got
+            n._error(f"state of block {t} from {got.peer} refused: {why}")
+        raise MoveRefused(f"no holder of block {t} offered an acceptable state")
+
+    def _switch(self, m: int, trainer, new_avg) -> None:
+        """Serve block t and make it this node's block; block m is still served until :meth:`_retire`."""
+        n = self.node
+        n.serve_block(trainer)
+        old = n.trainer
+        old.save(n.opts.checkpoint_dir)   # block m's last local state stays on disk
+        n.trainer, n.averager, n.old_averager = trainer, new_avg, n.averager
+        n.router.local_hops = {trainer.block_index: trainer.hop}
+        n.block_index, n.block_since, n.moving_to = trainer.block_index, time.monotonic(), None
+        n.downloaded = {"from_move": True}
+
+    def _reannounce(self, withdraw_block: int) -> None:
+        """Tombstone this node's record of ``withdraw_block`` and keep refreshing the others."""
+        n = self.node
+        n.discovery.withdraw(n.run_id, withdraw_block)   # also stops the refresher
+        if not n.stop_event.is_set():   # a stopping node's teardown withdraws everything itself
+            n.discovery.start_announcing(n.announcements)
+
+    def _retire(self, m: int) -> None:
+        n = self.node
+        try:
+            n.unserve_block(m)
+        except Exception as e:  # the daemon may be going away with the node
+            n._error(f"stopping to serve block {m}: {type(e).__name__}: {e}")
+        old, n.old_averager = n.old_averager, None
+        if old is not None and not old.shutdown():
+            n._error(f"the averager process of block {m} did not stop when asked and was killed")
+
+    def _abandon(self, t: int, new_avg, reason: str) -> None:
+        n = self.node
+        log.warning("rebalancing: move to block %d abandoned: %s", t, reason)
+        n.moving_to = None
+        n.block_since = time.monotonic()   # wait a full dwell before trying again: no retry storm
+        if new_avg is not None:
+            new_avg.shutdown()
+        if t in n._serving and t != n.block_index:
+            n.unserve_block(t)
+        try:
+            self._reannounce(withdraw_block=t)
+        except Exception as e:
+            n._error(f"withdrawing the joining record of block {t}: {type(e).__name__}: {e}")
+        self.refused.append({"to": t, "at": time.time(), "reason": reason})
+        del self.refused[:-50]
+        n._error(f"move to block {t} abandoned: {reason}")
