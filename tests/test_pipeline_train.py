@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from blocktrain.node.http.jobs import run_job
 from blocktrain.node.swarm.launcher import LocalSwarm
 
 from test_utils.configs import TEST_CORPUS
@@ -35,9 +36,9 @@ def step(node) -> int:
 
 
 def chain_ce(node) -> float:
-    r = node.post("/v1/eval", {}, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["chain_ce"]
+    job = run_job(node.url, "/v1/eval", timeout=180)   # an operator job: 202, then poll it
+    assert job["status"] == "done", job
+    return job["result"]["chain_ce"]
 
 
 def start(sw: LocalSwarm, plan: list[int]) -> dict[str, object]:
