@@ -24,7 +24,7 @@ from hivemind.proto import runtime_pb2
 from blocktrain.blocks.chain_train import chain_gradients
 from blocktrain.blocks.config import ModelConfig
 from blocktrain.blocks.objectives import get_objective
-from blocktrain.node.swarm.launcher import NodeProc, free_port
+from blocktrain.node.swarm.launcher import NodeProc
 from blocktrain.p2p.aioloop import LoopThread
 from blocktrain.p2p.hops import decode_meta, encode_meta
 from blocktrain.p2p.pipeline_rpc import PipelineService
@@ -61,7 +61,7 @@ def probed(tmp_path_factory):
         for b in (3, 2, 1, 0):   # block 0 last: its holder sends once the chain is complete
             args = (["seed", "--run-id", RUN, *sets] if b == 3 else
                     ["join", "--initial-peers", nodes[0].info["maddrs"][0], "--run-id", RUN])
-            n = NodeProc(f"b{b}", [*args, "--block", str(b), *common], base / f"b{b}", free_port(),
+            n = NodeProc(f"b{b}", [*args, "--block", str(b), *common], base / f"b{b}", 0,   # 0: the node binds a port itself
                          entry=[sys.executable, str(HERE / "pipeline_probe.py")])
             n.env = {"BT_PROBE_DIR": str(base / f"probe{b}"), "BT_PROBE_CODECS": "fp32,fp16",
                      "BT_PROBE_WINDOWS": str(base / "windows.pt")}
