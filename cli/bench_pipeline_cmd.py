@@ -42,6 +42,9 @@ def pipeline_table(res: dict) -> Table:
 @click.option("--layout", default=None, help="Block per worker, e.g. 0,1,2,3,1,2 (the default).")
 @click.option("--compression", type=click.Choice(["fp32", "fp16", "8bit"]), default=None,
               help="--pipeline-compression of every worker (default fp32).")
+@click.option("--inflight", type=click.IntRange(1, 4096), default=None,
+              help="--pipeline-inflight of every worker: micro-batches in flight along the chain (default 4; "
+                   "--preset h200: 8). 1: no stale weights.")
 @click.option("--gen-bytes", type=click.IntRange(1, 1024), default=None, help="Bytes generated for the serving cost "
                                                                               "(default 256; --tiny 4).")
 @click.option("--delay-ms", type=click.FloatRange(0, 1000), default=None,
@@ -64,7 +67,7 @@ def pipeline_table(res: dict) -> Table:
 @click.option("--plan", "plan_only", is_flag=True, help="Print the preset's planned wall time and exit.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_pipeline_cmd(train_seconds, objectives, layout, compression, gen_bytes, delay_ms, eval_windows, overrides, data, plot,
+def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight, gen_bytes, delay_ms, eval_windows, overrides, data, plot,
                        record, workdir, preset, tiny, device, no_references, plan_only, as_json):
     """pipeline and forward-streamed vs paper: real node processes, the same wall time each.
 
@@ -94,7 +97,7 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, gen_bytes
     s.overrides += list(overrides)
     s.data = data
     for name, v in (("train_s", train_seconds), ("compression", compression), ("gen_bytes", gen_bytes),
-                    ("delay_ms", delay_ms), ("eval_windows", eval_windows)):
+                    ("delay_ms", delay_ms), ("eval_windows", eval_windows), ("inflight", inflight)):
         if v is not None:
             setattr(s, name, v)
     if objectives:

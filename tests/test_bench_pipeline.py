@@ -76,3 +76,15 @@ def test_h200_preset_runs_at_tiny_size_on_cpu(tmp_path):
     b0 = [w for w in r["workers"] if w["block"] == 0][0]
     assert 0 < b0["pipeline_bytes_sent"] < b0["windows"] * 32 * 32 * 4
     assert res["references"]["whole"]["ce"] < math.log(256) - 0.3 and r["serving"]["traversals"] == 4
+
+
+def test_inflight_one_reaches_every_worker_no_stale_recompute(tmp_path):
+    """--inflight 1: one micro-batch along the chain at a time, so no backward ever finds its block's
+    weights moved since its forward (no recompute; one holder per block, so no averaging either)."""
+    out = _run(["--tiny", "--objective", "pipeline", "--layout", "0,1", "--inflight", "1", "--no-references",
+                "--train-seconds", "6", "--data", str(TEST_CORPUS), "--workdir", str(tmp_path / "w"), "--json"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    r = res["runs"]["pipeline"]
+    assert res["settings"]["inflight"] == 1 and r["microbatches_completed"] > 5
+    assert [w["recomputed"] for w in r["workers"]] == [0, 0]
