@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
@@ -84,6 +85,7 @@ class _NodeDHT(StopsWithParent, DHT):
         return None
 
 
+BOOTSTRAP_ATTEMPTS = 5        # DHT starts through initial peers that did not answer a ping in time
 DHT_SHUTDOWN_TIMEOUT = 2.0   # seconds the DHT process gets to stop (p2pd with it) before SIGKILL
 
 
@@ -162,30 +164,43 @@ class Discovery:
             kwargs.update(private_dht_options(peers))
             client_mode = kwargs.pop("client_mode")
         kwargs.setdefault("shutdown_timeout", DHT_SHUTDOWN_TIMEOUT)
-        dht = _NodeDHT(
-            initial_peers=peers or None,
-            start=False,
-            host_maddrs=hosts,
-            client_mode=client_mode,
-            record_validators=make_validators(key, runs),
-            **kwargs,
-        )
-        try:
-            dht.run_in_background(await_ready=True, timeout=startup_timeout)
-        except BaseException as e:
-            _kill_dht(dht)
-            if owned:
-                ident.close()
-            if not isinstance(e, Exception):
-                raise
-            if "already taken" in str(e):
-                raise IdentityInUseError(
-                    f"identity {ident.identity_path} (peer {ident.peer_id}) is already used by a live node of "
-                    f"this network; give this node its own identity/data directory"
-                ) from e
-            where = f"through initial peers {peers}" if peers else f"on {hosts}"
-            raise DiscoveryError(f"could not start a DHT node {where}: {type(e).__name__}: {e}") from e
+        deadline = time.monotonic() + startup_timeout
+        for attempt in range(1, BOOTSTRAP_ATTEMPTS + 1):
+            dht = _NodeDHT(
+                initial_peers=peers or None,
+                start=False,
+                host_maddrs=hosts,
+                client_mode=client_mode,
+                record_validators=make_validators(key, runs),
+                **kwargs,
+            )
+            try:
+                dht.run_in_background(await_ready=True, timeout=max(1.0, deadline - time.monotonic()))
+                break
+            except BaseException as e:
+                _kill_dht(dht)
+                # a peer that did not answer a ping in time (a busy machine, a peer still starting):
+                # try again with a fresh DHT process while the start-up time lasts
+                retry = (isinstance(e, Exception) and peers and "bootstrap" in str(e)   # hivemind's and p2pd's words
+                         and attempt < BOOTSTRAP_ATTEMPTS and time.monotonic() + 2.0 * attempt < deadline)
+                if retry:
+                    logger.warning("DHT bootstrap through %s failed (attempt %d of %d), retrying: %s",
+                                   peers, attempt, BOOTSTRAP_ATTEMPTS, e)
+                    time.sleep(2.0 * attempt)
+                    continue
+                if owned:
+                    ident.close()
+                if not isinstance(e, Exception):
+                    raise
+                if "already taken" in str(e):
+                    raise IdentityInUseError(
+                        f"identity {ident.identity_path} (peer {ident.peer_id}) is already used by a live node of "
+                        f"this network; give this node its own identity/data directory"
+                    ) from e
+                where = f"through initial peers {peers}" if peers else f"on {hosts}"
+                raise DiscoveryError(f"could not start a DHT node {where}: {type(e).__name__}: {e}") from e
         self = cls(dht, key, ttl=ttl)
+        self.bootstrap_attempts = attempt   # DHT starts it took (more than 1: its initial peers answered late)
         if owned:
             self._owned_identity = ident
         if self.peer_id != ident.peer_id:
