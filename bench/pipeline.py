@@ -328,9 +328,8 @@ def plan_seconds(s: PipelineBenchSettings) -> dict:
 
 def plot_pipeline(res: dict, path: str | Path) -> Path:
     """Four bar panels, one bar per objective: chain CE, tokens/s, bytes per worker per step, serving latency."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from blocktrain.bench.plots import figure, save
+    plt = figure()
     names = list(res["runs"])
     panels = [("chain CE, nats/byte (held-out)", lambda r: r["chain_ce"]),
               ("tokens/s (slowest block)", lambda r: r["tokens_per_s"]),
@@ -353,9 +352,4 @@ def plot_pipeline(res: dict, path: str | Path) -> Path:
     s = res["settings"]
     fig.suptitle(f"bench pipeline: {len(s['plan'])} workers (blocks {s['plan']}), {s['train_s']:g}s of training each, "
                  f"protocol {res['protocol']}", fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(plt, fig, path)
