@@ -17,5 +17,11 @@ Modules, one concern each:
 * ``errors``     every error type raised here
 * ``averager``   ``BlockAveragerHandle``: hivemind's DecentralizedAverager for one block, behind a small handle
 
-Submodules are not imported here, so ``import blocktrain.p2p`` stays cheap.
+* ``process`` / ``inprocess`` hivemind's DHT and averager loops: threads of the node (default) or its children
+
+Submodules are not imported here, so ``import blocktrain.p2p`` stays cheap; only the sharing strategy
+hivemind will give torch is chosen here, before any submodule imports hivemind (p2p/inprocess.py).
 """
+from blocktrain.p2p.inprocess import default_sharing_strategy as _default_sharing_strategy
+
+_default_sharing_strategy()

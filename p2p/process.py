@@ -40,6 +40,8 @@ import time
 import weakref
 from typing import Callable
 
+from blocktrain.p2p.inprocess import record_spawned
+
 __all__ = ["StopsWithParent", "WATCH_INTERVAL", "detach_spawned_daemons", "parent_death_preexec",
            "set_parent_death_signal", "stop_process", "watch_parent"]
 
@@ -110,7 +112,9 @@ def detach_spawned_daemons() -> None:
         kwargs.setdefault("start_new_session", True)
         if kwargs.get("preexec_fn") is None:
             kwargs["preexec_fn"] = parent_death_preexec(signal.SIGTERM)
-        return await original(program, *args, **kwargs)
+        proc = await original(program, *args, **kwargs)
+        record_spawned(proc)   # a DHT loop run in a thread (p2p/inprocess.py) can then kill it
+        return proc
 
     create_subprocess_exec._bt_detached = True   # type: ignore[attr-defined]
     aio_sub.create_subprocess_exec = create_subprocess_exec
