@@ -22,6 +22,7 @@ import torch
 from . import checkpoint as ckpt
 from .budget import Budget
 from .config import ModelConfig
+from .optim import AdamW
 from .data import DataSplit
 from .windows import WindowSampler, eval_windows
 from .evaluate import evaluate_blocks, evaluate_reference
@@ -35,7 +36,7 @@ from .train import make_optimizer, optimizer_step, reference_loss_fn
 class _Trainee:
     name: str
     module: torch.nn.Module
-    opt: torch.optim.Optimizer
+    opt: AdamW
     sampler: WindowSampler
     loss_fn: Callable[[torch.Tensor], Callable]
     steps_per_round: float = 1

@@ -1,6 +1,7 @@
 """One optimizer step of one module, with everything it needs and nothing shared across blocks."""
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -8,9 +9,12 @@ from torch import nn
 
 from .config import ModelConfig
 from .device import autocast
+from .optim import AdamW
 
 
-def make_optimizer(module: nn.Module, cfg: ModelConfig) -> torch.optim.Optimizer:
+def make_optimizer(module: nn.Module, cfg: ModelConfig) -> AdamW | torch.optim.AdamW:
+    """AdamW (blocks/optim.py: torch's update and state_dict format, without importing torch._dynamo);
+    ``torch.optim.AdamW`` itself when the environment sets BT_TORCH_OPTIM=1."""
     decay, no_decay = [], []
     for name, p in module.named_parameters():
         if not p.requires_grad:
@@ -18,7 +22,9 @@ def make_optimizer(module: nn.Module, cfg: ModelConfig) -> torch.optim.Optimizer
         (decay if p.dim() >= 2 and "emb" not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    if os.environ.get("BT_TORCH_OPTIM", "0").strip() == "1":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    return AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
 def lr_at(step: int, cfg: ModelConfig) -> float:
@@ -28,7 +34,7 @@ def lr_at(step: int, cfg: ModelConfig) -> float:
     return cfg.lr
 
 
-def optimizer_step(module: nn.Module, opt: torch.optim.Optimizer, cfg: ModelConfig, step: int,
+def optimizer_step(module: nn.Module, opt: AdamW | torch.optim.AdamW, cfg: ModelConfig, step: int,
                    loss_fn: Callable[[], tuple[torch.Tensor, dict]]) -> dict:
     """Zero grads, compute the loss, clip, step. Touches only ``module``'s parameters and ``opt``."""
     module.train()
