@@ -38,24 +38,22 @@ TARGET_OVERHEAD_MB = 300.0   # issue 15: "at most 300 MB"
 TENSOR_COPIES = 5   # parameters, gradients, AdamW exp_avg and exp_avg_sq, the averager's copy
 KINDS = ("main", "dht", "averager", "p2pd", "torch_shm_manager", "other")
 
-# layout name -> (what it is, environment). "before": hivemind's forked DHT and averager processes
-# with its default file_system sharing (torch_shm_manager); "after": this node's default.
+# layout name -> (what it is, environment). Each layout starts from the bench's environment without
+# any of KNOBS, so "after" is the node's default and each other layout names every setting it changes.
+KNOBS = ("BT_HIVEMIND_IN", "HIVEMIND_MEMORY_SHARING_STRATEGY", "BT_TORCH_OPTIM", "BT_TUNE_MALLOC", "GOGC",
+         "GOMEMLIMIT", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
+_OLD = {"BT_TORCH_OPTIM": "1", "BT_TUNE_MALLOC": "0", "GOGC": "100", "GOMEMLIMIT": "off"}
 LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {
-    "before": ("DHT and averager as forked processes, file_system sharing (hivemind's defaults)",
-               {"BT_HIVEMIND_IN": "process", "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_system"}),
-    "process-fd": ("DHT and averager as forked processes, file_descriptor sharing",
-                   {"BT_HIVEMIND_IN": "process", "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor"}),
-    "after": ("DHT and averager loops as threads of the node, file_descriptor sharing (the default)",
-              {"BT_HIVEMIND_IN": "thread", "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor"}),
-    "after-arena2": ("as after, with glibc malloc limited to 2 arenas (MALLOC_ARENA_MAX=2)",
-                     {"BT_HIVEMIND_IN": "thread", "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor",
-                      "MALLOC_ARENA_MAX": "2"}),
-    "after-go": ("as after, p2pd's Go runtime told GOGC=25 GOMEMLIMIT=24MiB",
-                 {"BT_HIVEMIND_IN": "thread", "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor",
-                  "GOGC": "25", "GOMEMLIMIT": "24MiB"}),
-    "after-trim": ("as after, glibc trims its heap above 64 KiB free (MALLOC_TRIM_THRESHOLD_=65536)",
-                   {"BT_HIVEMIND_IN": "thread", "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor",
-                    "MALLOC_TRIM_THRESHOLD_": "65536", "MALLOC_TOP_PAD_": "0"}),
+    "before": ("hivemind's DHT and averager as forked processes, file_system sharing (torch_shm_manager), "
+               "torch.optim.AdamW, glibc and Go defaults: the node before issue 15's lean work",
+               {"BT_HIVEMIND_IN": "process", "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_system", **_OLD}),
+    "threads": ("as before, but the DHT and averager loops as threads of the node, file_descriptor sharing",
+                {"BT_HIVEMIND_IN": "thread", "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor", **_OLD}),
+    "threads-adamw": ("as threads, with blocktrain's AdamW (no torch._dynamo import)",
+                      {"BT_HIVEMIND_IN": "thread", "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor",
+                       **_OLD, "BT_TORCH_OPTIM": "0"}),
+    "after": ("the default: threads, blocktrain's AdamW, glibc heap trimming, p2pd GOGC=25 GOMEMLIMIT=24MiB",
+              {}),
 }
 
 
@@ -142,7 +140,8 @@ def measure_layout(layout: str, overrides: list[str], *, data: str | None, settl
             "--quiet", *[x for kv in overrides for x in ("--set", kv)]]
     if data:
         args += ["--data", data]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **env_extra}
+    env = {k: v for k, v in os.environ.items() if k not in KNOBS}   # each layout says all it changes
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **env_extra})
     with open(d / "node.log", "wb") as log:
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
