@@ -2,7 +2,7 @@
 ``torch._dynamo`` import.
 
 Why: every ``torch.optim.Optimizer`` imports ``torch._dynamo`` (and with it sympy) the first time
-a parameter group is added or a step taken, about 70 MB of heap in every node process for a
+a parameter group is added or a step taken, 68 MB more RSS in every node process for a
 compiler the node never uses (BENCHMARKS.md "Lean nodes (issue 15)").
 
 The step is torch's single-tensor AdamW (``torch.optim.adamw``, no amsgrad, no maximize): decoupled

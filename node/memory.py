@@ -4,7 +4,8 @@ glibc keeps freed heap memory for reuse unless the free block at the top of the 
 M_TRIM_THRESHOLD (which it raises dynamically up to 32 MB as large blocks come and go); a node's
 training and networking threads free and reallocate many mid-sized buffers, so its heap stays at
 its high-water mark. A fixed 64 KiB threshold and no top padding let glibc return freed tops to
-the system (measured: about 16 MB less PSS for a tiny-model node). An environment variable
+the system, and ``malloc_trim(0)`` every 10 s returns whole free pages inside the heap too (a few
+to ~15 MB of PSS for a tiny-model node, within run-to-run noise: BENCHMARKS.md). An environment variable
 (MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_) set by the operator wins; BT_TUNE_MALLOC=0 leaves
 glibc's defaults alone (``bt-node bench node-memory`` uses it for the "before" layout).
 """
