@@ -56,18 +56,23 @@ def default_sharing_strategy() -> None:
 
 class _LocalEnd:
     """One end of :func:`local_pipe`: what the peer sent, in order, passed by reference. ``fileno()``
-    is readable while a message (or the peer's close) waits, as an ``mp.Connection``'s would be."""
+    is readable while a message (or the peer's close) waits, as an ``mp.Connection``'s would be: one
+    wake-up byte per message, written and consumed under the same lock as the message itself (the
+    event loop that watches the fd makes it non-blocking, so a read must never find it empty)."""
 
     def __init__(self) -> None:
         self._queue: collections.deque = collections.deque()
         self._r, self._w = os.pipe()
-        self._send_lock = threading.Lock()
-        self._recv_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._eof_bytes = 0   # wake-up bytes written by the peer's close, not yet read
         self.peer: _LocalEnd | None = None
         self.closed = False
 
     def fileno(self) -> int:
         return self._r
+
+    def _peer_closed(self) -> bool:
+        return self.peer is None or self.peer.closed
 
     def send(self, obj: Any) -> None:
         peer = self.peer
@@ -75,27 +80,36 @@ class _LocalEnd:
             raise OSError("handle is closed")
         if peer is None or peer.closed:
             raise BrokenPipeError("the other end is closed")
-        with peer._send_lock:
+        with peer._cond:
             peer._queue.append(obj)
-            os.write(peer._w, b"m")   # one wake-up byte per message
+            os.write(peer._w, b"m")
+            peer._cond.notify()
 
     def poll(self, timeout: float | None = 0.0) -> bool:
-        if self._queue or (self.peer is not None and self.peer.closed):
-            return True
-        if timeout == 0.0:
-            return False
-        ready, _, _ = select.select([self._r], [], [], timeout)
-        return bool(ready)
+        with self._cond:
+            if not self._queue and not self._peer_closed() and timeout != 0.0:
+                self._cond.wait_for(lambda: self._queue or self._peer_closed(), timeout)
+            return bool(self._queue) or self._peer_closed()
+
+    def _drain_byte(self) -> None:
+        try:
+            os.read(self._r, 1)
+        except BlockingIOError:   # only a close's byte can be missing (already drained)
+            pass
 
     def recv(self) -> Any:
-        with self._recv_lock:
+        with self._cond:
             if self.closed:
                 raise OSError("handle is closed")
-            os.read(self._r, 1)   # blocks until a message or the peer's close arrives
-            try:
-                return self._queue.popleft()
-            except IndexError:
-                raise EOFError("the other end closed the pipe") from None
+            self._cond.wait_for(lambda: self._queue or self._peer_closed())
+            if self._queue:
+                obj = self._queue.popleft()
+                self._drain_byte()
+                return obj
+            if self._eof_bytes:
+                self._eof_bytes -= 1
+                self._drain_byte()
+            raise EOFError("the other end closed the pipe")
 
     def close(self) -> None:
         if self.closed:
@@ -103,10 +117,13 @@ class _LocalEnd:
         self.closed = True
         peer = self.peer
         if peer is not None:
-            try:
-                os.write(peer._w, b"c")   # wake a reader blocked in recv(): it gets EOFError
-            except OSError:
-                pass
+            with peer._cond:
+                peer._eof_bytes += 1
+                try:
+                    os.write(peer._w, b"c")   # readable: a loop watching the fd comes and gets its EOFError
+                except OSError:
+                    pass
+                peer._cond.notify_all()
 
     def __del__(self) -> None:
         for fd in (getattr(self, "_r", None), getattr(self, "_w", None)):

@@ -7,6 +7,8 @@ has no forked hivemind child and no torch_shm_manager.
 from __future__ import annotations
 
 import asyncio
+import os
+import select
 import threading
 import time
 
@@ -67,3 +69,18 @@ def test_layout_switch_refuses_unknown_values(monkeypatch):
     monkeypatch.setenv(HIVEMIND_IN_ENV, "forked")
     with pytest.raises(ValueError, match="BT_HIVEMIND_IN must be one of thread, process"):
         hivemind_in()
+
+
+def test_local_pipe_never_reads_an_empty_fd_when_an_event_loop_made_it_non_blocking():
+    a, b = local_pipe()
+    os.set_blocking(b.fileno(), False)   # what an event loop's add_reader does to the fd
+    n = 2000
+    t = threading.Thread(target=lambda: [a.send(i) for i in range(n)])
+    t.start()
+    got = []
+    while len(got) < n:
+        if b.poll(1.0):
+            got.append(b.recv())
+    t.join(5)
+    assert got == list(range(n))
+    assert not select.select([b.fileno()], [], [], 0)[0]   # every wake-up byte consumed with its message
