@@ -7,9 +7,10 @@ measuring child below, and a third of the file is this description of the method
     Each measurement (one block, or the full-depth reference) runs in a FRESH Python process
     (``python -m blocktrain.bench.resources --measure block|reference ...``) so neither
     sees the other's allocations. The process imports torch and blocktrain, runs one warm-up
-    step on a throwaway model of the same kind with a few KiB of parameters (the first optimizer
-    step lazily imports torch._dynamo and starts thread pools: ~90 MiB that any torch process
-    pays), then records its RSS (the *baseline*: interpreter + warm torch runtime, no model of
+    step on a throwaway model of the same kind with a few KiB of parameters (the first step
+    starts thread pools and the autograd engine; with torch.optim, BT_TORCH_OPTIM=1, it also
+    imports torch._dynamo, ~68 MB more; blocks/optim.py does not), then records its RSS (the
+    *baseline*: interpreter + warm torch runtime, no model of
     the measured size yet; ``after_import_rss_mib`` is reported too), builds the module and its
     AdamW optimizer, and trains ``steps`` optimizer steps on synthetic random bytes of the
     configured batch and seq_len (memory does not depend on the bytes' values), so parameters,
@@ -193,8 +194,8 @@ def measure_memory_here(cfg: ModelConfig, which: str, *, steps: int, device: tor
     gc.collect()
     after_import = _rss_now_bytes()
     # Warm the runtime on a throwaway model of the same kind (a few KiB of parameters): the first
-    # optimizer step lazily imports ~800 modules (torch._dynamo, via torch.optim) and starts thread
-    # pools and the autograd engine, ~100 MiB that any torch process pays whatever it trains.
+    # step starts thread pools and the autograd engine (and, with torch.optim, imports ~800 modules
+    # of torch._dynamo), which any torch process pays whatever it trains.
     _Trainee(which, primer_config(cfg), device).step()
     gc.collect()
     baseline = _rss_now_bytes()

@@ -61,7 +61,7 @@ def chain_gradients(objective: Objective, blocks: Sequence[nn.Module], windows: 
     return ChainGradients(losses, grads, [hb.detach() for hb in hs])
 
 
-def chain_step(objective: Objective, blocks: Sequence[nn.Module], opts: Sequence[torch.optim.Optimizer],
+def chain_step(objective: Objective, blocks: Sequence[nn.Module], opts: Sequence,
                cfg: ModelConfig, step: int, windows: torch.Tensor, *, lr: float | None = None) -> list[dict]:
     """One step of every block on one batch; per block {"loss", "grad_norm"} ("loss": the chain's
     loss for backprop, the block's own for streamed). ``lr``: this step's learning rate (default

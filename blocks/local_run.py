@@ -40,6 +40,7 @@ from . import checkpoint as ckpt
 from .budget import Budget
 from .chain_train import chain_step, stage_step_flops
 from .config import ModelConfig
+from .optim import AdamW
 from .data import DataSplit
 from .windows import WindowSampler, eval_windows
 from .evaluate import evaluate_blocks, evaluate_reference, per_window_chain_ce, per_window_reference_ce
@@ -53,7 +54,7 @@ from .train import LrSchedule, make_optimizer, optimizer_step, reference_loss_fn
 class _Trainee:
     name: str
     module: torch.nn.Module
-    opt: torch.optim.Optimizer
+    opt: AdamW
     sampler: WindowSampler
     loss_fn: Callable[[torch.Tensor], Callable]
     steps_per_round: float = 1

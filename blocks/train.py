@@ -4,6 +4,7 @@ warm-up then cosine decay to the run's own budget (budgeted offline runs, ``benc
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -12,14 +13,19 @@ from torch import nn
 
 from .config import ModelConfig
 from .device import autocast
+from .optim import AdamW
 
 SCHEDULES = ("constant", "cosine")
 
 
 def make_optimizer(module: nn.Module, cfg: ModelConfig, lr: float | None = None, *,
-                   fused_on_cuda: bool = False) -> torch.optim.Optimizer:
-    """AdamW, weight decay on matrices only. ``lr``: the peak rate (default ``cfg.lr``);
-    ``fused_on_cuda``: the fused CUDA kernel when the module sits on a GPU (offline benches)."""
+                   fused_on_cuda: bool = False) -> AdamW | torch.optim.AdamW:
+    """AdamW, weight decay on matrices only. ``lr``: the peak rate (default ``cfg.lr``).
+
+    On the CPU: blocks/optim.py's AdamW (torch's update and state_dict format, without importing
+    torch._dynamo, ~65 MB per node process); ``torch.optim.AdamW`` itself when the environment sets
+    BT_TORCH_OPTIM=1 or the module sits on a GPU (``fused_on_cuda``: its fused CUDA kernel, offline
+    benches)."""
     decay, no_decay = [], []
     for name, p in module.named_parameters():
         if not p.requires_grad:
@@ -27,9 +33,12 @@ def make_optimizer(module: nn.Module, cfg: ModelConfig, lr: float | None = None,
         (decay if p.dim() >= 2 and "emb" not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    fused = fused_on_cuda and any(p.is_cuda for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=cfg.lr if lr is None else lr, betas=(0.9, 0.95),
-                             **({"fused": True} if fused else {}))
+    on_cuda = any(p.is_cuda for p in decay + no_decay)
+    peak = cfg.lr if lr is None else lr
+    if on_cuda or os.environ.get("BT_TORCH_OPTIM", "0").strip() == "1":
+        return torch.optim.AdamW(groups, lr=peak, betas=(0.9, 0.95),
+                                 **({"fused": True} if fused_on_cuda and on_cuda else {}))
+    return AdamW(groups, lr=peak, betas=(0.9, 0.95))
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,7 @@ def lr_at(step: int, cfg: ModelConfig) -> float:
     return LrSchedule(cfg.lr, cfg.warmup_steps).at(step)
 
 
-def optimizer_step(module: nn.Module, opt: torch.optim.Optimizer, cfg: ModelConfig, step: int,
+def optimizer_step(module: nn.Module, opt: AdamW | torch.optim.AdamW, cfg: ModelConfig, step: int,
                    loss_fn: Callable[[], tuple[torch.Tensor, dict]], *, lr: float | None = None) -> dict:
     """Zero grads, compute the loss, clip, step. Touches only ``module``'s parameters and ``opt``.
     ``lr``: this step's learning rate (default: ``lr_at(step, cfg)``, warm-up then constant)."""

@@ -1,4 +1,5 @@
-"""bt-node bench memory / bench throughput: what one worker pays to train one block vs the reference."""
+"""bt-node bench memory / throughput / node-memory: what one worker pays to train one block vs the
+reference, and what one real node costs beyond its block's tensors."""
 from __future__ import annotations
 
 import json
@@ -6,6 +7,7 @@ import json
 import click
 from rich.table import Table
 
+from blocktrain.bench.node_memory import KINDS, LAYOUTS, bench_node_memory
 from blocktrain.bench.resources import TINY_OVERRIDES, bench_memory, bench_throughput
 from blocktrain.blocks.device import pick_device
 from .config_opts import build_config, config_options
@@ -161,3 +163,57 @@ def bench_throughput_cmd(config_path, objective, overrides, warmup, iters, block
     else:
         err_console.print(throughput_table(res))
         click.echo(f"throughput ratio block/reference = {res['ratio']:.2f}")
+
+
+def node_memory_table(res: dict) -> Table:
+    runs = res["runs"]
+    t = Table(title="bench node-memory: one real node's PSS (MB) per process, median of readings")
+    t.add_column("process")
+    for r in runs:
+        t.add_column(r["layout"], justify="right")
+    for kind in KINDS:
+        if any(r["per_kind"][kind]["processes"] for r in runs):
+            t.add_row(kind, *[_f(r["per_kind"][kind]["pss_mb"]) if r["per_kind"][kind]["processes"] else "-"
+                              for r in runs])
+    t.add_row("total", *[_f(r["total_pss_mb"]) for r in runs])
+    t.add_row("block tensors", *[_f(r["tensors_mb"], ".2f") for r in runs])
+    t.add_row("overhead", *[_f(r["overhead_mb"]) for r in runs])
+    t.add_row(f"<= {res['target_overhead_mb']:.0f} MB", *["met" if r["meets_target"] else "NOT met" for r in runs])
+    t.caption = "; ".join(f"{r['layout']}: {r['what']}" for r in runs)
+    return t
+
+
+@click.command("node-memory")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Config field of the measured node's run, after the tiny shape (B=4, 2 layers, d=64).")
+@click.option("--layout", "layouts", multiple=True, type=click.Choice(list(LAYOUTS)),
+              help="Layouts to measure, one node each, in order [default: before, after].")
+@click.option("--data", default=None, help="The node's --data [default: the node's own default].")
+@click.option("--settle", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Seconds the node trains after it is ready, before the readings.")
+@click.option("--samples", type=click.IntRange(min=1), default=5, show_default=True, help="Readings per layout.")
+@click.option("--interval", type=click.FloatRange(min=0), default=2.0, show_default=True,
+              help="Seconds between readings.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+@friendly
+def bench_node_memory_cmd(overrides, layouts, data, settle, samples, interval, as_json):
+    """Memory of ONE real node (seed, block 0, 127.0.0.1) per process, and its overhead beyond its
+    block's own tensors, for each layout of hivemind's DHT and averager loops.
+
+    \b
+    PSS per process (main, DHT, averager, p2pd, torch_shm_manager), the block's tensors (params,
+    grads, AdamW moments, the averager's copy) and overhead = total - tensors, against 300 MB.
+    Example:
+      bt-node bench node-memory --layout before --layout after
+    """
+    overrides = tuple(f"{k}={json.dumps(v)}" for k, v in TINY_OVERRIDES.items()) + tuple(overrides)
+    cfg = build_config(None, None, overrides)
+    res = bench_node_memory(cfg, list(overrides), list(layouts) or ["before", "after"], data=data,
+                            settle_s=settle, samples=samples, interval_s=interval)
+    if as_json:
+        emit_json(res)
+    else:
+        err_console.print(node_memory_table(res))
+        for r in res["runs"]:
+            click.echo(f"{r['layout']}: overhead {r['overhead_mb']:.1f} MB "
+                       f"({'meets' if r['meets_target'] else 'does NOT meet'} the {res['target_overhead_mb']:.0f} MB target)")

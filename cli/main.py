@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from .bench_resource_cmds import bench_memory_cmd, bench_throughput_cmd
+from .bench_resource_cmds import bench_memory_cmd, bench_node_memory_cmd, bench_throughput_cmd
 from .bench_net_cmds import bench_compression_cmd, bench_inference_cmd, bench_p2p_cmd, bench_swarm_cmd
 from .bench_pipeline_cmd import bench_pipeline_cmd
 from .bench_sim_cmd import bench_simulate_cmd
@@ -46,6 +46,7 @@ cli.add_command(eval_cmd)
 bench.add_command(bench_quality)
 bench.add_command(bench_memory_cmd)
 bench.add_command(bench_throughput_cmd)
+bench.add_command(bench_node_memory_cmd)
 bench.add_command(bench_swarm_cmd)
 bench.add_command(bench_inference_cmd)
 bench.add_command(bench_compression_cmd)

@@ -32,6 +32,7 @@ from blocktrain.node import generation
 from blocktrain.node.auth import RunAuth
 from blocktrain.node.averaging.rounds import BlockAverager
 from blocktrain.node.loops import Loop, Teardown
+from blocktrain.node.memory import tune_malloc
 from blocktrain.node.options import NodeOptions
 from blocktrain.node.reachability import Reachability
 from blocktrain.node.pipeline.compose import start_pipeline
@@ -101,6 +102,7 @@ class Node:
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> "Node":
         o, td = self.opts, self.teardown
+        tune_malloc()   # node/memory.py: return freed heap to the system
         o.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.auth = RunAuth.build(o.allowed_peers, o.run_secret_file)   # bad secret file: fail before the DHT
         fresh_identity = not (o.checkpoint_dir / "identity.key").exists()

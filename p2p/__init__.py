@@ -18,5 +18,11 @@ Modules, one concern each:
 * ``averager``   ``BlockAveragerHandle``: hivemind's DecentralizedAverager for one block, behind a small handle
 * ``process``    hivemind's child processes as a node's children: stop signals, dying with the node
 
-Submodules are not imported here, so ``import blocktrain.p2p`` stays cheap.
+* ``process`` / ``inprocess`` hivemind's DHT and averager loops: threads of the node (default) or its children
+
+Submodules are not imported here, so ``import blocktrain.p2p`` stays cheap; only the sharing strategy
+hivemind will give torch is chosen here, before any submodule imports hivemind (p2p/inprocess.py).
 """
+from blocktrain.p2p.inprocess import default_sharing_strategy as _default_sharing_strategy
+
+_default_sharing_strategy()

@@ -14,6 +14,7 @@ import logging
 import multiprocessing as mp
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable  # hivemind reads the rpc_* handlers' type hints
 
@@ -23,6 +24,7 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 
+from blocktrain.p2p.inprocess import RunsInThread
 from blocktrain.p2p.process import StopsWithParent, stop_process
 
 __all__ = ["BlockAveragerHandle", "RoundFailed", "RoundResult", "COMPRESSIONS", "make_compression",
@@ -55,25 +57,39 @@ def make_compression(name: str):
 _SENT, _RECV, _MSENT, _MRECV = range(4)
 
 
+_COUNTERS: dict[int, Any] = {}   # averager loop thread ident -> its traffic counters
+_counting_installed = False
+
+
 def _count_stream_messages(counters) -> None:
-    """In the averager's own process: count every protobuf message hivemind writes to or reads from
-    a libp2p stream (matchmaking, all-reduce parts, state downloads). All of hivemind's stream I/O
-    goes through ``P2P.send_protobuf`` / ``P2P.receive_protobuf``; patching them here touches only
-    this child process, whose only p2p traffic is the averager's."""
+    """In the averager's loop thread (its own process, or a thread of the node's): count every
+    protobuf message hivemind writes to or reads from a libp2p stream (matchmaking, all-reduce parts,
+    state downloads) from this thread. All of hivemind's stream I/O goes through
+    ``P2P.send_protobuf`` / ``P2P.receive_protobuf``; the averager's replica of the P2P client runs
+    its streams on the averager's event loop, which is this thread, so other loops of the same
+    process (the DHT's, the node's RPC) are not counted."""
+    global _counting_installed
+    _COUNTERS[threading.get_ident()] = counters
+    if _counting_installed:
+        return
+    _counting_installed = True
     from hivemind.p2p import P2P
     send, receive = P2P.send_protobuf, P2P.receive_protobuf
 
     async def counted_send(protobuf, writer):
         await send(protobuf, writer)
-        counters[_SENT] += protobuf.ByteSize()
-        counters[_MSENT] += 1
+        c = _COUNTERS.get(threading.get_ident())
+        if c is not None:
+            c[_SENT] += protobuf.ByteSize()
+            c[_MSENT] += 1
 
     async def counted_receive(input_protobuf_type, reader):
         msg, err = await receive(input_protobuf_type, reader)
         got = msg if msg is not None else err
-        if got is not None:
-            counters[_RECV] += got.ByteSize()
-            counters[_MRECV] += 1
+        c = _COUNTERS.get(threading.get_ident())
+        if got is not None and c is not None:
+            c[_RECV] += got.ByteSize()
+            c[_MRECV] += 1
         return msg, err
 
     P2P.send_protobuf = staticmethod(counted_send)
@@ -99,11 +115,12 @@ def patch_8bit_decoder() -> None:
     Quantization.extract = extract
 
 
-class BlockStateAverager(StopsWithParent, DecentralizedAverager):
+class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
     """hivemind's averager with BlockTrain's additions. Set the ``bt_*`` attributes before starting it.
 
-    Its process is a node's child like the DHT's (p2p/process.py): it ignores SIGINT/SIGTERM, the
-    host stops it (:meth:`BlockAveragerHandle.shutdown`), and it exits on its own if the host dies.
+    It runs where its DHT's loop runs: in a thread of the node's process (p2p/inprocess.py), or as
+    a node's child process like the DHT's (p2p/process.py: it ignores SIGINT/SIGTERM, the host stops
+    it (:meth:`BlockAveragerHandle.shutdown`), and it exits on its own if the host dies).
 
     * ``bt_state``: callable returning ``(metadata, tensors)`` of the live block, served to late
       joiners (runs in the host process: hivemind asks the host for the current state).
@@ -118,11 +135,45 @@ class BlockStateAverager(StopsWithParent, DecentralizedAverager):
     bt_counters = None
     _bt_refused: frozenset = frozenset()
 
-    def run(self):   # in the averager's child process
-        if self.bt_counters is not None:
-            _count_stream_messages(self.bt_counters)
+    def run(self):   # in the averager's child process, or its thread of the node's
         patch_8bit_decoder()
         super().run()
+
+    def _run_internal(self):   # hivemind's loop, in a thread of its own
+        if self.bt_counters is not None:
+            _count_stream_messages(self.bt_counters)
+        try:
+            super()._run_internal()
+        finally:
+            _COUNTERS.pop(threading.get_ident(), None)
+
+    def _bt_swap_pipes(self) -> None:
+        """hivemind's constructor already started the host-side thread that serves our state to
+        the loop, reading the old pipe: stop it with hivemind's own ``_SHUTDOWN``, move what was
+        already sent, and serve the new pipe with hivemind's same function."""
+        from hivemind.averaging.averager import _background_thread_fetch_current_state
+        old_inner, old_outer = self._inner_pipe, self._outer_pipe
+        pending = []
+        while old_inner.poll():
+            pending.append(old_inner.recv())
+        super()._bt_swap_pipes()
+        for message in pending:
+            self._outer_pipe.send(message)
+        old_inner.send(("_SHUTDOWN", None))
+        threading.Thread(target=_background_thread_fetch_current_state, daemon=True,
+                         args=[self.serializer, self._outer_pipe, weakref.WeakMethod(self.get_current_state)]
+                         ).start()
+        self._bt_old_pipes = (old_inner, old_outer)   # closed when this averager is collected
+
+    async def _shutdown(self, timeout) -> None:
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            if self.bt_in_thread:   # a process's exit would close its P2P client; a thread must
+                try:
+                    await self._p2p.shutdown()
+                except Exception as e:
+                    log.debug("closing the averager's P2P client: %s", e)
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         """hivemind's, without setting the *host's* SIGINT to SIG_IGN (which made a node deaf to
@@ -209,6 +260,8 @@ class BlockAveragerHandle:
         self.averager.bt_state = state
         self.averager.bt_authorize = authorize
         self.counters = self.averager.bt_counters = mp.RawArray("q", 4)
+        if getattr(dht, "bt_in_thread", False):   # its loop runs where its DHT's does
+            self.averager.bt_use_thread()
         self.averager.run_in_background(await_ready=True, timeout=start_timeout)
 
     @property

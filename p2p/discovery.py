@@ -41,7 +41,8 @@ from blocktrain.p2p.identity import NodeIdentity
 from blocktrain.p2p.reachability import (
     all_loopback, ask_relayed, circuit_addrs, learn_relayed, private_dht_options, probe_reachability, serve_dial_back,
 )
-from blocktrain.p2p.process import DroppingPipe, StopsWithParent, stop_process
+from blocktrain.p2p.inprocess import RunsInThread, hivemind_in
+from blocktrain.p2p.process import DroppingPipe, StopsWithParent, detach_spawned_daemons, stop_process
 from blocktrain.p2p.records import PROTOCOL_VERSION, BlockAnnouncement, RunManifest, validate_run_id
 
 __all__ = [
@@ -70,16 +71,37 @@ async def _visible_maddrs(_dht: DHT, node: DHTNode) -> list[str]:
     return [str(m) for m in await node.p2p.get_visible_maddrs()]
 
 
-class _NodeDHT(StopsWithParent, DHT):
-    """hivemind's DHT process as a node's child (p2p/process.py): it ignores SIGINT/SIGTERM, starts
-    p2pd in its own session, and it and p2pd exit on their own when the node dies. Requests from
-    processes that have exited are dropped (:class:`~blocktrain.p2p.process.DroppingPipe`)."""
+class _NodeDHT(RunsInThread, StopsWithParent, DHT):
+    """hivemind's DHT loop in a thread of the node's process (p2p/inprocess.py, the default), or as
+    the node's child process (``BT_HIVEMIND_IN=process``; p2p/process.py: it ignores SIGINT/SIGTERM
+    and exits on its own when the node dies; requests from processes that have exited are dropped,
+    :class:`~blocktrain.p2p.process.DroppingPipe`). Either way p2pd starts in its own session and
+    exits when the DHT's loop (the thread or process that started it) ends."""
 
     bt_spawns_daemons = True
 
-    def run(self) -> None:   # in the DHT process
-        self._inner_pipe = DroppingPipe(self._inner_pipe, "_bt_dropped")
+    def run(self) -> None:   # in the DHT's thread or process
+        if not self.bt_in_thread:   # a thread's local pipe has no sender that can exit
+            self._inner_pipe = DroppingPipe(self._inner_pipe, "_bt_dropped")
         super().run()
+
+    def bt_use_thread(self) -> None:
+        detach_spawned_daemons()   # in this process: the loop thread spawns p2pd here
+        super().bt_use_thread()
+        self._bt_replicas: dict = {}
+
+    async def replicate_p2p(self):
+        """hivemind keeps one replica per *process*; in-process loops (the node's RPC loop, the
+        averager's) each need their own, bound to their own event loop."""
+        if not self.bt_in_thread:
+            return await super().replicate_p2p()
+        from hivemind.p2p import P2P
+        loop = asyncio.get_running_loop()
+        replica = self._bt_replicas.get(loop)
+        if replica is None:
+            maddr = self.run_coroutine(DHT._get_p2p_daemon_listen_maddr)
+            replica = self._bt_replicas[loop] = await P2P.replicate(maddr)
+        return replica
 
     async def _bt_dropped(self) -> None:
         return None
@@ -139,6 +161,7 @@ class Discovery:
         if none can, start as a *private* node (DHT/averager client mode, autorelay through the initial
         peers) and set ``self.reachability = "private"``. Public nodes answer others' dial-back requests.
         """
+        in_thread = hivemind_in() == "thread"   # a bad BT_HIVEMIND_IN is refused before anything starts
         peers = parse_initial_peers(list(initial_peers))
         hosts = [parse_multiaddr(m) for m in host_maddrs]
         announce = [parse_multiaddr(m, allow_port_zero=False) for m in announce_maddrs] if announce_maddrs else None
@@ -174,13 +197,15 @@ class Discovery:
                 record_validators=make_validators(key, runs),
                 **kwargs,
             )
+            if in_thread:
+                dht.bt_use_thread()
             try:
                 dht.run_in_background(await_ready=True, timeout=max(1.0, deadline - time.monotonic()))
                 break
             except BaseException as e:
                 _kill_dht(dht)
                 # a peer that did not answer a ping in time (a busy machine, a peer still starting):
-                # try again with a fresh DHT process while the start-up time lasts
+                # try again with a fresh DHT while the start-up time lasts
                 retry = (isinstance(e, Exception) and peers and "bootstrap" in str(e)   # hivemind's and p2pd's words
                          and attempt < BOOTSTRAP_ATTEMPTS and time.monotonic() + 2.0 * attempt < deadline)
                 if retry:

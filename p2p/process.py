@@ -43,11 +43,16 @@ import time
 import weakref
 from typing import Callable
 
+from blocktrain.p2p.inprocess import record_spawned
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["DroppingPipe", "StopsWithParent", "WATCH_INTERVAL", "detach_spawned_daemons", "parent_death_preexec",
            "set_parent_death_signal", "stop_process", "watch_parent"]
 
+# p2pd is a Go program: collect garbage at 25% heap growth and aim to stay under 24 MiB of heap
+# (measured: ~8 MB less PSS per node, BENCHMARKS.md "Lean nodes (issue 15)")
+P2PD_GO_ENV = {"GOGC": "25", "GOMEMLIMIT": "24MiB"}
 WATCH_INTERVAL = 0.25    # seconds between a child's looks at its parent pid
 PR_SET_PDEATHSIG = 1     # <linux/prctl.h>
 
@@ -115,7 +120,11 @@ def detach_spawned_daemons() -> None:
         kwargs.setdefault("start_new_session", True)
         if kwargs.get("preexec_fn") is None:
             kwargs["preexec_fn"] = parent_death_preexec(signal.SIGTERM)
-        return await original(program, *args, **kwargs)
+        # p2pd's Go runtime: a smaller heap (GOGC / GOMEMLIMIT already in the environment win)
+        kwargs["env"] = {**P2PD_GO_ENV, **(kwargs.get("env") or os.environ)}
+        proc = await original(program, *args, **kwargs)
+        record_spawned(proc)   # a DHT loop run in a thread (p2p/inprocess.py) can then kill it
+        return proc
 
     create_subprocess_exec._bt_detached = True   # type: ignore[attr-defined]
     aio_sub.create_subprocess_exec = create_subprocess_exec

@@ -93,3 +93,25 @@ def test_peak_table_is_an_assumption_by_name():
     assert peak_tflops_for("NVIDIA H100 PCIe")[0] == 756.0
     tf, src = peak_tflops_for("Some Unknown GPU")
     assert tf is None and "--peak-tflops" in src
+
+
+def test_bench_node_memory_reads_every_process_of_a_real_node_and_the_default_has_no_hivemind_child():
+    from test_utils.configs import TEST_CORPUS
+    r = bt_json("bench", "node-memory", "--layout", "before", "--layout", "after", "--settle", "2",
+                "--samples", "2", "--interval", "0.5", "--data", str(TEST_CORPUS), "--json", timeout=600)
+    before, after = r["runs"]
+
+    def kinds(run):
+        return {k for k, v in run["per_kind"].items() if v["processes"]}
+
+    # hivemind's forked children (and torch's shm manager) where asked for; none by default
+    assert kinds(before) == {"main", "dht", "averager", "p2pd", "torch_shm_manager"}, before["per_kind"]
+    assert kinds(after) == {"main", "p2pd"}, after["per_kind"]
+    assert r["block_tensors"]["tensor_bytes"] == 5 * r["block_tensors"]["param_bytes"] > 0
+    for run in (before, after):
+        assert all(v["pss_mb"] > 0 for k, v in run["per_kind"].items() if v["processes"])
+        lo, hi = run["total_pss_mb_range"]
+        assert lo <= run["total_pss_mb"] <= hi
+        assert run["overhead_mb"] == pytest.approx(run["total_pss_mb"] - run["tensors_mb"])
+        assert run["meets_target"] == (run["overhead_mb"] <= r["target_overhead_mb"])
+    assert after["total_pss_mb"] < before["total_pss_mb"]   # two fewer python processes and no shm manager

@@ -3,8 +3,9 @@
 * ``bt-node seed`` / ``join`` given Ctrl-C on a pseudo-terminal, SIGINT or SIGTERM to its pid or to
   its whole process group: exit 0 within 10 s, a final checkpoint at least as far as the step the
   node had reached, its DHT announcement withdrawn (a separate DHT reader no longer sees it, well
-  within the 30 s an unwithdrawn announcement would live), and none of its processes (DHT,
-  averager, p2pd, torch's shm manager) left; a second signal exits at once;
+  within the 30 s an unwithdrawn announcement would live), and none of its processes (p2pd; with
+  BT_HIVEMIND_IN=process also the DHT and averager processes and torch's shm manager) left; a second
+  signal exits at once;
 * ``bt-node swarm --keep-running`` given the same: exit 0 within 10 s, every node's final
   checkpoint written, none of its processes left;
 * SIGKILL of a node or of ``swarm``: every process it grew gone within 10 s, on its own (a swarm's
@@ -136,7 +137,10 @@ def test_node_leaves_on_signal(case, anchor, reader, tmp_path):
         step = wait_for(lambda: _status(port)["self"]["step"] >= 2 and _status(port)["self"]["step"], 60,
                         "a few training steps")
         wait_for(lambda: info["peer_id"] in _holders(reader, run), 30, "the node's announcement")
-        assert "p2pd" in [p.name() for p in procs] and len(procs) >= 4, describe(procs)   # node, DHT, averager, p2pd
+        procs.extend(p for p in cmd.tree() if p.pid not in {q.pid for q in procs})
+        names = [p.name() for p in procs]
+        # the node and its p2pd (hivemind's DHT and averager loops are threads of the node: p2p/inprocess.py)
+        assert names.count("p2pd") == 1 and len(procs) >= 2, describe(procs)
         ckpt = tmp_path / "ckpt" / block_filename(info["block"])
         assert not ckpt.exists()   # --checkpoint-every 1000000: only the final checkpoint writes it
 
@@ -258,7 +262,8 @@ def test_swarm_stops_everything_on_signal(case, tmp_path):
         for d in _node_dirs(tmp_path):
             info = json.loads((d / "ready.json").read_text())
             steps[d] = (info["block"], _status(info["http_port"])["self"]["step"])
-        assert sum(p.name() == "p2pd" for p in procs) == 2 and len(procs) >= 9, describe(procs)   # swarm + 2 x 4
+        procs.extend(p for p in cmd.tree() if p.pid not in {q.pid for q in procs})
+        assert sum(p.name() == "p2pd" for p in procs) == 2 and len(procs) >= 5, describe(procs)   # swarm + 2 x (node, p2pd)
 
         t0 = time.monotonic()
         _ask_to_stop(cmd, how)
