@@ -1,8 +1,21 @@
 """Fixtures shared by test files."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    """``full_matrix`` cases repeat a path another case already takes (another signal or target of
+    the same stop): skipped unless BT_FULL_MATRIX=1, to keep the default run (CI) fast."""
+    if os.environ.get("BT_FULL_MATRIX") == "1":
+        return
+    skip = pytest.mark.skip(reason="full matrix only: set BT_FULL_MATRIX=1")
+    for item in items:
+        if item.get_closest_marker("full_matrix"):
+            item.add_marker(skip)
 
 
 @pytest.fixture
@@ -13,3 +26,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# BT_CPU_LOG=FILE: one JSON line per test phase with the CPU seconds it used, its own and its reaped
+# child processes' (node processes, CLI runs). Wall time on a shared 2-core machine says little about
+# what a test costs a quiet CI machine; CPU time does (used to keep the suite fast).
+if os.environ.get("BT_CPU_LOG"):
+    import json
+    import resource
+    import time
+
+    def _cpu() -> float:
+        s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(item, nextitem):
+        cpu0, t0 = _cpu(), time.monotonic()
+        yield
+        with open(os.environ["BT_CPU_LOG"], "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu() - cpu0, 2),
+                                "wall_s": round(time.monotonic() - t0, 2)}) + "\n")
