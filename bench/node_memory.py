@@ -41,8 +41,9 @@ KINDS = ("main", "dht", "averager", "p2pd", "torch_shm_manager", "other")
 # layout name -> (what it is, environment). Each layout starts from the bench's environment without
 # any of KNOBS, so "after" is the node's default and each other layout names every setting it changes.
 KNOBS = ("BT_HIVEMIND_IN", "HIVEMIND_MEMORY_SHARING_STRATEGY", "BT_TORCH_OPTIM", "BT_TUNE_MALLOC", "GOGC",
-         "GOMEMLIMIT", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
-_OLD = {"BT_TORCH_OPTIM": "1", "BT_TUNE_MALLOC": "0", "GOGC": "100", "GOMEMLIMIT": "off"}
+         "GOMEMLIMIT", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX", "BT_EAGER_IMPORTS")
+_EAGER = {"BT_EAGER_IMPORTS": "scipy,cli"}   # the imports as they were before the lazy ones (lean1 and older)
+_OLD = {"BT_TORCH_OPTIM": "1", "BT_TUNE_MALLOC": "0", "GOGC": "100", "GOMEMLIMIT": "off", **_EAGER}
 LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {
     "before": ("hivemind's DHT and averager as forked processes, file_system sharing (torch_shm_manager), "
                "torch.optim.AdamW, glibc and Go defaults: the node before issue 15's lean work",
@@ -52,8 +53,14 @@ LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {
     "threads-adamw": ("as threads, with blocktrain's AdamW (no torch._dynamo import)",
                       {"BT_HIVEMIND_IN": "thread", "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor",
                        **_OLD, "BT_TORCH_OPTIM": "0"}),
-    "after": ("the default: threads, blocktrain's AdamW, glibc heap trimming, p2pd GOGC=25 GOMEMLIMIT=24MiB",
-              {}),
+    "lean1": ("as threads-adamw, with glibc heap trimming and p2pd GOGC=25 GOMEMLIMIT=24MiB: the default "
+              "of commit add0075", dict(_EAGER)),
+    "lazy-scipy": ("as lean1, with scipy.optimize (which hivemind imports, a node never calls) deferred",
+                   {"BT_EAGER_IMPORTS": "cli"}),
+    "after": ("the default: as lazy-scipy, and bt-node imports its bench and offline commands only when "
+              "invoked", {}),
+    "arena1": ("as after, with MALLOC_ARENA_MAX=1", {"MALLOC_ARENA_MAX": "1"}),
+    "arena2": ("as after, with MALLOC_ARENA_MAX=2", {"MALLOC_ARENA_MAX": "2"}),
 }
 
 
