@@ -1,6 +1,7 @@
 """Imports a node does not need are deferred (issue 15, lean nodes: p2p/lean_imports.py, cli/main.py),
-and deferring them changes no behaviour. One fresh interpreter (the test process has imported
-everything already), a few seconds."""
+and deferring them changes no behaviour. Fresh interpreters (the test process has imported
+everything already): one that imports what a node imports (~9 s unloaded), and two that import
+``blocktrain.p2p`` only."""
 from __future__ import annotations
 
 import json
@@ -27,16 +28,16 @@ print(json.dumps(out))
 """
 
 
-def _probe(env_extra: dict[str, str]) -> dict:
+def _probe() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "BT_EAGER_IMPORTS"}
-    env.update({"OMP_NUM_THREADS": "1", **env_extra})
+    env["OMP_NUM_THREADS"] = "1"
     r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def test_node_imports_defer_scipy_and_bench_without_changing_load_balancing():
-    out = _probe({})
+    out = _probe()
     assert out["bench_at_start"] == []
     assert not out["linprog_at_start"]
     assert out["even"] == [50, 50, 0] and not out["linprog_after_even"]
@@ -45,10 +46,21 @@ def test_node_imports_defer_scipy_and_bench_without_changing_load_balancing():
     assert out["linprog_after_weighted"] and out["real_module"]
 
 
-def test_bench_imports_stay_eager_when_asked():
-    out = _probe({"BT_EAGER_IMPORTS": "scipy,cli"})
-    assert "blocktrain.bench.node_memory" in out["bench_at_start"]
-    assert out["linprog_at_start"]
+def test_eager_imports_when_asked(monkeypatch):
+    """BT_EAGER_IMPORTS (the bench's older layouts) keeps both imports eager."""
+    code = ("import sys, blocktrain.p2p; m = sys.modules.get('scipy.optimize'); "
+            "print(type(m).__name__ if m is not None else 'absent')")
+    for eager, expected in (("", "_Deferred"), ("scipy", "absent")):   # absent: hivemind imports it itself
+        env = {**os.environ, "BT_EAGER_IMPORTS": eager}
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 0 and r.stdout.strip() == expected, (eager, r.stdout, r.stderr[-2000:])
+    from blocktrain.cli.main import LazyGroup
+
+    lazy = {"node-memory": ".bench_resource_cmds:bench_node_memory_cmd"}
+    monkeypatch.delenv("BT_EAGER_IMPORTS", raising=False)
+    assert "node-memory" not in LazyGroup(lazy=lazy).commands
+    monkeypatch.setenv("BT_EAGER_IMPORTS", "scipy,cli")
+    assert "node-memory" in LazyGroup(lazy=lazy).commands
 
 
 def test_lazy_cli_lists_and_runs_every_command():
