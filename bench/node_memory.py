@@ -10,7 +10,8 @@ Method, per layout measured (``LAYOUTS``; each a fresh ``bt-node seed`` process,
   sum over a node's processes is what the node adds to the machine) of the node's process and of
   every process below it, classified as main, DHT (the forked python child that is p2pd's parent),
   averager (the other forked python child), p2pd, torch_shm_manager, other; the median reading of
-  each is reported (RSS and open file descriptors too);
+  each is reported (RSS, USS and open file descriptors too: USS, the pages no other process maps, does
+  not move with what else runs on the machine; PSS does, by its share of shared-library pages);
 * the block's own tensors: parameters, gradients, AdamW's two moments, and the averager's copy of
   the parameters (5 x parameter bytes, counted from the block built here from the same config);
   ``overhead = total PSS - tensors``, against ``TARGET_OVERHEAD_MB`` (issue 15: 300 MB);
@@ -59,8 +60,8 @@ LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {
                    {"BT_EAGER_IMPORTS": "cli"}),
     "after": ("the default: as lazy-scipy, and bt-node imports its bench and offline commands only when "
               "invoked", {}),
-    "arena1": ("as after, with MALLOC_ARENA_MAX=1", {"MALLOC_ARENA_MAX": "1"}),
-    "arena2": ("as after, with MALLOC_ARENA_MAX=2", {"MALLOC_ARENA_MAX": "2"}),
+    "arena1": ("as after, with MALLOC_ARENA_MAX=1 (one glibc heap for all threads; tried, not the default)",
+               {"MALLOC_ARENA_MAX": "1"}),
 }
 
 
@@ -97,8 +98,8 @@ def classify(main: psutil.Process) -> dict[int, str]:
 
 
 def read_tree(main: psutil.Process) -> dict:
-    """One reading: PSS / RSS (bytes) and open fds summed per kind, and the process count per kind."""
-    out = {k: {"pss": 0, "rss": 0, "fds": 0, "processes": 0} for k in KINDS}
+    """One reading: PSS / RSS / USS (bytes) and open fds summed per kind, and the process count per kind."""
+    out = {k: {"pss": 0, "rss": 0, "uss": 0, "fds": 0, "processes": 0} for k in KINDS}
     for pid, kind in classify(main).items():
         try:
             p = psutil.Process(pid)
@@ -109,6 +110,7 @@ def read_tree(main: psutil.Process) -> dict:
         d = out[kind]
         d["pss"] += m.pss
         d["rss"] += m.rss
+        d["uss"] += m.uss
         d["fds"] += fds
         d["processes"] += 1
     return out
@@ -174,10 +176,12 @@ def measure_layout(layout: str, overrides: list[str], *, data: str | None, settl
     for k in KINDS:
         per_kind[k] = {"pss_mb": statistics.median(r[k]["pss"] for r in readings) / MB,
                        "rss_mb": statistics.median(r[k]["rss"] for r in readings) / MB,
+                       "uss_mb": statistics.median(r[k]["uss"] for r in readings) / MB,
                        "fds": int(statistics.median(r[k]["fds"] for r in readings)),
                        "processes": max(r[k]["processes"] for r in readings)}
     totals = [sum(r[k]["pss"] for k in KINDS) for r in readings]
-    return {"layout": layout, "what": what, "env": env_extra, "per_kind": per_kind,
+    uss_totals = [sum(r[k]["uss"] for k in KINDS) for r in readings]
+    return {"total_uss_mb": statistics.median(uss_totals) / MB, "layout": layout, "what": what, "env": env_extra, "per_kind": per_kind,
             "total_pss_mb": statistics.median(totals) / MB,
             "total_pss_mb_range": [min(totals) / MB, max(totals) / MB]}
 

@@ -176,6 +176,7 @@ def node_memory_table(res: dict) -> Table:
             t.add_row(kind, *[_f(r["per_kind"][kind]["pss_mb"]) if r["per_kind"][kind]["processes"] else "-"
                               for r in runs])
     t.add_row("total", *[_f(r["total_pss_mb"]) for r in runs])
+    t.add_row("total USS", *[_f(r["total_uss_mb"]) for r in runs])
     t.add_row("block tensors", *[_f(r["tensors_mb"], ".2f") for r in runs])
     t.add_row("overhead", *[_f(r["overhead_mb"]) for r in runs])
     t.add_row(f"<= {res['target_overhead_mb']:.0f} MB", *["met" if r["meets_target"] else "NOT met" for r in runs])
