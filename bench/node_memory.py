@@ -3,7 +3,7 @@
 Method, per layout measured (``LAYOUTS``; each a fresh ``bt-node seed`` process, one at a time):
 
 * start one node (``seed``, a one-node run of its own on 127.0.0.1, block 0, ``OMP_NUM_THREADS=1``,
-  HTTP on port 0) with the layout's environment, wait for its ready file, let it train for
+  HTTP on port 0 unless ``http=False``: a node without ``--http-port`` imports no web framework) with the layout's environment, wait for its ready file, let it train for
   ``settle_s`` seconds (training steps, attempted averaging rounds with no peer, announcements);
 * then take ``samples`` readings ``interval_s`` apart of the proportional set size (PSS, from
   ``/proc/PID/smaps_rollup`` via psutil: a page shared by n processes counts 1/n in each, so the
@@ -138,15 +138,15 @@ def _stop(proc: subprocess.Popen, timeout: float = 60.0) -> None:
 
 
 def measure_layout(layout: str, overrides: list[str], *, data: str | None, settle_s: float, samples: int,
-                   interval_s: float, workdir: Path, ready_timeout: float = 180.0) -> dict:
+                   interval_s: float, workdir: Path, ready_timeout: float = 180.0, http: bool = True) -> dict:
     """Start one node in ``layout``, read its tree's memory, stop it (on every exit path)."""
     what, env_extra = LAYOUTS[layout]
     d = workdir / layout
     d.mkdir(parents=True, exist_ok=True)
     ready = d / "ready.json"
     args = [sys.executable, "-m", "blocktrain.cli.main", "seed", "--run-id", f"mem-{layout}", "--block", "0",
-            "--device", "cpu", "--http-port", "0", "--checkpoint-dir", str(d / "ckpt"), "--ready-file", str(ready),
-            "--quiet", *[x for kv in overrides for x in ("--set", kv)]]
+            "--device", "cpu", *(["--http-port", "0"] if http else []), "--checkpoint-dir", str(d / "ckpt"),
+            "--ready-file", str(ready), "--quiet", *[x for kv in overrides for x in ("--set", kv)]]
     if data:
         args += ["--data", data]
     env = {k: v for k, v in os.environ.items() if k not in KNOBS}   # each layout says all it changes
@@ -187,7 +187,7 @@ def measure_layout(layout: str, overrides: list[str], *, data: str | None, settl
 
 
 def bench_node_memory(cfg: ModelConfig, overrides: list[str], layouts: list[str], *, data: str | None = None,
-                      settle_s: float = 30.0, samples: int = 5, interval_s: float = 2.0) -> dict:
+                      settle_s: float = 30.0, samples: int = 5, interval_s: float = 2.0, http: bool = True) -> dict:
     unknown = [x for x in layouts if x not in LAYOUTS]
     if unknown or not layouts:
         raise ValueError(f"unknown layout(s) {unknown}: choose from {', '.join(LAYOUTS)}")
@@ -198,7 +198,7 @@ def bench_node_memory(cfg: ModelConfig, overrides: list[str], layouts: list[str]
     with tempfile.TemporaryDirectory(prefix="bt-node-memory-") as tmp:
         for layout in layouts:
             r = measure_layout(layout, overrides, data=data, settle_s=settle_s, samples=samples,
-                               interval_s=interval_s, workdir=Path(tmp))
+                               interval_s=interval_s, workdir=Path(tmp), http=http)
             r["tensors_mb"] = tensors["tensor_bytes"] / MB
             r["overhead_mb"] = r["total_pss_mb"] - r["tensors_mb"]
             r["meets_target"] = r["overhead_mb"] <= TARGET_OVERHEAD_MB
@@ -206,7 +206,8 @@ def bench_node_memory(cfg: ModelConfig, overrides: list[str], layouts: list[str]
     return {"bench": "node-memory", "method": __doc__.split("Method, ")[1].strip(),
             "config": {k: getattr(cfg, k) for k in ("objective", "d_model", "n_blocks", "layers_per_block",
                                                     "seq_len", "batch_size")},
-            "block_tensors": tensors, "target_overhead_mb": TARGET_OVERHEAD_MB, "settle_s": settle_s, "samples": samples,
+            "block_tensors": tensors, "target_overhead_mb": TARGET_OVERHEAD_MB, "http": http, "settle_s": settle_s,
+            "samples": samples,
             "interval_s": interval_s, "data": data or "auto", "runs": runs}
 
 
