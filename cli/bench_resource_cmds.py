@@ -176,6 +176,7 @@ def node_memory_table(res: dict) -> Table:
             t.add_row(kind, *[_f(r["per_kind"][kind]["pss_mb"]) if r["per_kind"][kind]["processes"] else "-"
                               for r in runs])
     t.add_row("total", *[_f(r["total_pss_mb"]) for r in runs])
+    t.add_row("total USS", *[_f(r["total_uss_mb"]) for r in runs])
     t.add_row("block tensors", *[_f(r["tensors_mb"], ".2f") for r in runs])
     t.add_row("overhead", *[_f(r["overhead_mb"]) for r in runs])
     t.add_row(f"<= {res['target_overhead_mb']:.0f} MB", *["met" if r["meets_target"] else "NOT met" for r in runs])
@@ -194,9 +195,11 @@ def node_memory_table(res: dict) -> Table:
 @click.option("--samples", type=click.IntRange(min=1), default=5, show_default=True, help="Readings per layout.")
 @click.option("--interval", type=click.FloatRange(min=0), default=2.0, show_default=True,
               help="Seconds between readings.")
+@click.option("--http/--no-http", default=True, show_default=True,
+              help="Start the node with its HTTP API (--http-port 0) or without (a node's default).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @friendly
-def bench_node_memory_cmd(overrides, layouts, data, settle, samples, interval, as_json):
+def bench_node_memory_cmd(overrides, layouts, data, settle, samples, interval, http, as_json):
     """Memory of ONE real node (seed, block 0, 127.0.0.1) per process, and its overhead beyond its
     block's own tensors, for each layout of hivemind's DHT and averager loops.
 
@@ -209,7 +212,7 @@ def bench_node_memory_cmd(overrides, layouts, data, settle, samples, interval, a
     overrides = tuple(f"{k}={json.dumps(v)}" for k, v in TINY_OVERRIDES.items()) + tuple(overrides)
     cfg = build_config(None, None, overrides)
     res = bench_node_memory(cfg, list(overrides), list(layouts) or ["before", "after"], data=data,
-                            settle_s=settle, samples=samples, interval_s=interval)
+                            settle_s=settle, samples=samples, interval_s=interval, http=http)
     if as_json:
         emit_json(res)
     else:

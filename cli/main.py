@@ -1,23 +1,45 @@
-"""The ``bt-node`` command."""
+"""The ``bt-node`` command.
+
+The node commands are imported here; the benchmark and offline commands only when invoked (or listed
+by ``--help``): a node process then carries none of bench/ and its imports (issue 15, lean nodes:
+BENCHMARKS.md). ``BT_EAGER_IMPORTS=cli`` imports them all up front, as before (for the bench's layouts).
+"""
 from __future__ import annotations
 
 import atexit
+import importlib
 import os
 import sys
 
 import click
 
-from .bench_resource_cmds import bench_memory_cmd, bench_node_memory_cmd, bench_throughput_cmd
-from .bench_net_cmds import bench_compression_cmd, bench_inference_cmd, bench_p2p_cmd, bench_swarm_cmd
-from .bench_pipeline_cmd import bench_pipeline_cmd
-from .bench_sim_cmd import bench_simulate_cmd
-from .local_cmds import eval_cmd, train_local
-from .quality_cmd import bench_quality
 from .node_cmds import export, generate, join, seed, status
 from .swarm_cmd import swarm
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class LazyGroup(click.Group):
+    """A click group whose ``lazy`` commands (name -> "module:attribute", relative to this package)
+    are imported the first time click asks for them."""
+
+    def __init__(self, *args, lazy: dict[str, str] | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.lazy = dict(lazy or {})
+        if "cli" in {x.strip().lower() for x in os.environ.get("BT_EAGER_IMPORTS", "").split(",")}:
+            for name in list(self.lazy):
+                self.get_command(None, name)
+
+    def list_commands(self, ctx):
+        return sorted({*self.commands, *self.lazy})
+
+    def get_command(self, ctx, name):
+        if name not in self.commands and name in self.lazy:
+            module, attr = self.lazy.pop(name).split(":")
+            self.add_command(getattr(importlib.import_module(module, __package__), attr), name)
+        return self.commands.get(name)
+
+
+@click.group(cls=LazyGroup, lazy={"train-local": ".local_cmds:train_local", "eval": ".local_cmds:eval_cmd"},
+             context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="blocktrain")
 def cli():
     """BlockTrain node: train and serve one language model split into blocks, peer to peer.
@@ -30,7 +52,13 @@ def cli():
     """
 
 
-@cli.group()
+@cli.group(cls=LazyGroup, lazy={
+    "quality": ".quality_cmd:bench_quality", "memory": ".bench_resource_cmds:bench_memory_cmd",
+    "throughput": ".bench_resource_cmds:bench_throughput_cmd",
+    "node-memory": ".bench_resource_cmds:bench_node_memory_cmd", "swarm": ".bench_net_cmds:bench_swarm_cmd",
+    "inference": ".bench_net_cmds:bench_inference_cmd", "compression": ".bench_net_cmds:bench_compression_cmd",
+    "p2p": ".bench_net_cmds:bench_p2p_cmd", "simulate": ".bench_sim_cmd:bench_simulate_cmd",
+    "pipeline": ".bench_pipeline_cmd:bench_pipeline_cmd"})
 def bench():
     """Benchmarks that print a table (and JSON with --json)."""
 
@@ -41,18 +69,6 @@ cli.add_command(generate)
 cli.add_command(status)
 cli.add_command(export)
 cli.add_command(swarm)
-cli.add_command(train_local)
-cli.add_command(eval_cmd)
-bench.add_command(bench_quality)
-bench.add_command(bench_memory_cmd)
-bench.add_command(bench_throughput_cmd)
-bench.add_command(bench_node_memory_cmd)
-bench.add_command(bench_swarm_cmd)
-bench.add_command(bench_inference_cmd)
-bench.add_command(bench_compression_cmd)
-bench.add_command(bench_p2p_cmd)
-bench.add_command(bench_simulate_cmd)
-bench.add_command(bench_pipeline_cmd)
 
 
 def main() -> None:

@@ -112,6 +112,7 @@ def test_bench_node_memory_reads_every_process_of_a_real_node_and_the_default_ha
         assert all(v["pss_mb"] > 0 for k, v in run["per_kind"].items() if v["processes"])
         lo, hi = run["total_pss_mb_range"]
         assert lo <= run["total_pss_mb"] <= hi
+        assert 0 < run["total_uss_mb"] <= run["total_pss_mb"]   # private pages only: no share of libraries
         assert run["overhead_mb"] == pytest.approx(run["total_pss_mb"] - run["tensors_mb"])
         assert run["meets_target"] == (run["overhead_mb"] <= r["target_overhead_mb"])
     assert after["total_pss_mb"] < before["total_pss_mb"]   # two fewer python processes and no shm manager
