@@ -126,12 +126,13 @@ class TensorAssembler:
             )
         self._cur_parts.append(part.buffer)
 
-    def _close_current(self) -> None:
+    def _close_current(self, at_end: bool = False) -> None:
         if self._cur is None:
             return
         if self._cur_received != self._cur_expected:
+            # a new header before the bytes were all in is malformed; the stream ending there is a truncation
             raise HopRequestError(
-                "malformed",
+                "truncated" if at_end else "malformed",
                 f"{self.what} tensor #{len(self._done)} ({describe(self._cur)}) ended after "
                 f"{self._cur_received} of {self._cur_expected} bytes",
             )
@@ -141,5 +142,6 @@ class TensorAssembler:
         self._cur, self._cur_parts = None, []
 
     def finish(self) -> list[runtime_pb2.Tensor]:
-        self._close_current()
+        """The tensors received; HopRequestError ``truncated`` if the stream ended inside one."""
+        self._close_current(at_end=True)
         return self._done

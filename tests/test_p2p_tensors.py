@@ -53,8 +53,14 @@ def test_streamed_parts_reassemble_and_caps_apply_on_the_header():
         broken.feed(parts[1])
     short = TensorAssembler(max_total_bytes=50_000)
     short.feed(parts[0])
-    with pytest.raises(HopRequestError, match="ended after 4096 of 40000 bytes"):
+    with pytest.raises(HopRequestError, match="ended after 4096 of 40000 bytes") as e:
         short.finish()
+    assert e.value.code == "truncated"   # the stream ended inside a tensor
+    cut = TensorAssembler(max_total_bytes=50_000)
+    cut.feed(parts[0])
+    with pytest.raises(HopRequestError, match="ended after 4096 of 40000 bytes") as e:
+        cut.feed(parts[10])                # the next tensor's header came before this one's bytes
+    assert e.value.code == "malformed"
 
 
 def _headers(n=1, t=16, d=8, sdt=torch.float32, cdt=torch.uint8, sig=(2,)):
