@@ -292,12 +292,9 @@ async def read_answer(
         if meta is None:
             raise StreamTruncatedError(peer, f"the answer stream ended before its first message, "
                                              f"after {progress.describe()}: {CUT_CAUSE}")
-        try:
-            tensors = assembler.finish()
-        except HopRequestError as e:
-            if e.code != "truncated":
-                raise
-            raise StreamTruncatedError(peer, f"{e.reason}, after {progress.describe()}: {CUT_CAUSE}") from None
+        if assembler.cut is not None:
+            raise StreamTruncatedError(peer, f"{assembler.cut}, after {progress.describe()}: {CUT_CAUSE}")
+        tensors = assembler.finish()
         if progress.expected is not None and len(tensors) < progress.expected:
             raise StreamTruncatedError(peer, f"the answer stream ended after {progress.describe()}: {CUT_CAUSE}")
         return meta, tensors

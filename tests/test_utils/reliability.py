@@ -130,15 +130,15 @@ def average_until_accepted(nodes: list[NodeProc], attempts: int = 4) -> dict[str
 
 
 def block_state(client, peer: str, block: int, attempts: int = 3) -> dict[str, torch.Tensor]:
-    """A peer's block state, read to compare weights. A download refused by the client's checks
-    (a truncated stream on a loaded machine: names and tensors do not match) is read again; a peer
-    that keeps answering badly still fails the test."""
-    from blocktrain.p2p.errors import RemoteHopError
+    """A peer's block state, read to compare weights. A stream cut under the download (a
+    StreamTruncatedError: the daemons' connection dropped on a loaded machine; the client already
+    asked twice) is read again; any other refusal fails the test at once."""
+    from blocktrain.p2p.errors import StreamTruncatedError
     for i in range(attempts):
         try:
             _, tensors = client.hop_client.get_block_state_sync(peer, block, timeout=30)
             return tensors
-        except RemoteHopError:
+        except StreamTruncatedError:
             if i == attempts - 1:
                 raise
             time.sleep(1.0)
