@@ -136,7 +136,8 @@ class PipelineService(ServicerBase):
                 self.traffic.add(wire_bytes_sent=msg.ByteSize())
                 yield msg
         except (GeneratorExit, asyncio.CancelledError) as e:
-            log_cut(f"the answer of block {self.block_index} to {context.remote_id}", f"{n - 1} of {len(msgs)} messages", e)
+            log_cut(f"the answer of block {self.block_index} to {context.remote_id}",
+                    f"{n - 1} of {len(msgs)} messages", e)
             raise
         if not consumed:
             await _drain(requests)
@@ -225,7 +226,8 @@ class PipelineClient:
         except asyncio.TimeoutError:
             self.traffic.add(calls_out_failed=1)
             raise HopTimeoutError(f"peer {peer_id} did not answer the micro-batch for block {req.block_index} "
-                                  f"within {timeout:.1f}s (its answer stream delivered {progress.describe()})") from None
+                                  f"within {timeout:.1f}s (its answer stream delivered {progress.describe()})"
+                                  ) from None
         except RemoteHopError:
             self.traffic.add(calls_out_failed=1)
             raise
