@@ -198,8 +198,8 @@ class HopClient:
                 if attempt >= attempts or deadline - time.monotonic() < 1.0:
                     self.traffic.call(ok=False)
                     raise
-                logger.info("block %d's state from %s arrived truncated (%s); asking again", block_index, peer_id,
-                            e.reason)
+                logger.warning("block %d's state from %s arrived truncated (%s); asking again", block_index, peer_id,
+                               e.reason)
             except RemoteHopError:
                 self.traffic.call(ok=False)
                 raise

@@ -247,7 +247,7 @@ def log_cut(what: str, sent: str, e: BaseException) -> None:
     """Say that an answer stream was closed under us: hivemind drops a failed send without a word
     (and the caller's client may see a short stream; see p2p/errors.py StreamTruncatedError)."""
     how = "handler cancelled" if isinstance(e, asyncio.CancelledError) else "stream closed"
-    logger.info("%s stopped after %s (%s: the caller went away or the connection dropped)", what, sent, how)
+    logger.warning("%s stopped after %s (%s: the caller went away or the connection dropped)", what, sent, how)
 
 
 def failure_response(e: Exception, rid: str, what: str) -> runtime_pb2.ExpertResponse:
