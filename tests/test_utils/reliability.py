@@ -203,7 +203,11 @@ class HostileProc(JsonLinesProc):
                 "--weight", str(weight)]
         if secret_file is not None:
             args += ["--secret-file", str(secret_file), "--secret-identities", *map(str, secret_identities)]
-        super().__init__("hostile", args, log_path, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        # hivemind's own DecentralizedAverager forks a child per identity: with the DHT loop as a thread
+        # of this process (BT_HIVEMIND_IN=thread, the default since the lean merge) the fork copies a lock
+        # another thread holds and the child hangs on it; as children, the loops leave no thread to fork
+        super().__init__("hostile", args, log_path,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1", "BT_HIVEMIND_IN": "process"})
 
     def wait_ready(self, timeout: float = 120) -> dict:
         ev = self._ready(timeout)
