@@ -65,5 +65,19 @@ class RemoteHopError(HopError):
         self.reason = reason
 
 
+class StreamTruncatedError(RemoteHopError):
+    """An answer stream ended, without any error, before it was complete (code ``truncated``).
+
+    hivemind cannot tell a stream the peer finished from one whose libp2p stream was reset: p2pd
+    closes our end of the stream the same way in both cases, and hivemind's reader takes the close
+    as the end. A reset happens when the connection between the two daemons drops (yamux closes a
+    connection whose peer daemon leaves a keepalive ping unanswered for 10 s: a daemon stopped or
+    starved on a loaded machine) or the peer's handler went away. Distinct from
+    :class:`HopTimeoutError`: the client was still willing to wait."""
+
+    def __init__(self, peer_id: str, reason: str):
+        super().__init__(peer_id, "truncated", reason)
+
+
 class HopTimeoutError(HopError, TimeoutError):
     """The remote peer did not answer within the client's timeout."""

@@ -47,8 +47,8 @@ from blocktrain.p2p.pipeline_wire import (
     PipelineLimits, StageRequest, StageResponse, activation_tensors, decode_request, decode_response,
     request_message, response_message, train_namespace,
 )
-from blocktrain.p2p.rpc_client import _raise_if_failed, _transport_error
-from blocktrain.p2p.rpc_server import failure_response, split_response
+from blocktrain.p2p.rpc_client import StreamProgress, _transport_error, read_answer
+from blocktrain.p2p.rpc_server import failure_response, log_cut, split_response
 from blocktrain.p2p.tensors import DEFAULT_CHUNK_BYTES, TensorAssembler, split_parts
 
 __all__ = ["PipelineService", "PipelineServer", "PipelineClient", "PipelineTraffic", "TrainHandler"]
@@ -130,9 +130,15 @@ class PipelineService(ServicerBase):
             grad_bytes = 0
         await self._delay()
         self.traffic.add(calls_in=1, gradient_bytes_sent=grad_bytes)
-        for msg in self._split(response):
-            self.traffic.add(wire_bytes_sent=msg.ByteSize())
-            yield msg
+        msgs, n = self._split(response), 0
+        try:
+            for n, msg in enumerate(msgs, 1):
+                self.traffic.add(wire_bytes_sent=msg.ByteSize())
+                yield msg
+        except (GeneratorExit, asyncio.CancelledError) as e:
+            log_cut(f"the answer of block {self.block_index} to {context.remote_id}",
+                    f"{n - 1} of {len(msgs)} messages", e)
+            raise
         if not consumed:
             await _drain(requests)
 
@@ -212,14 +218,16 @@ class PipelineClient:
             req.request_id = uuid.uuid4().hex
         meta, pbs, _, _ = request_message(req)
         self.traffic.add(calls_out=1)
+        progress = StreamProgress()
         try:
             resp_meta, tensors = await asyncio.wait_for(
-                self._call(PeerID.from_base58(peer_id), req, meta, pbs), timeout)
+                self._call(PeerID.from_base58(peer_id), req, meta, pbs, progress), timeout)
             resp = decode_response(resp_meta, tensors, req, self.limits)
         except asyncio.TimeoutError:
             self.traffic.add(calls_out_failed=1)
             raise HopTimeoutError(f"peer {peer_id} did not answer the micro-batch for block {req.block_index} "
-                                  f"within {timeout:.1f}s") from None
+                                  f"within {timeout:.1f}s (its answer stream delivered {progress.describe()})"
+                                  ) from None
         except RemoteHopError:
             self.traffic.add(calls_out_failed=1)
             raise
@@ -232,27 +240,14 @@ class PipelineClient:
         self.traffic.add(gradient_bytes_received=sum(len(t.buffer) for t in tensors))
         return resp
 
-    async def _call(self, peer: PeerID, req: StageRequest, meta: bytes,
-                    pbs: list[runtime_pb2.Tensor]) -> tuple[dict[str, Any], list[runtime_pb2.Tensor]]:
+    async def _call(self, peer: PeerID, req: StageRequest, meta: bytes, pbs: list[runtime_pb2.Tensor],
+                    progress: StreamProgress) -> tuple[dict[str, Any], list[runtime_pb2.Tensor]]:
         stub = PipelineService.get_stub(self.p2p, peer, namespace=train_namespace(self.run_id, req.block_index))
         responses = await stub.rpc_train(self._parts(meta, pbs, activation_tensors(req.codec)))
         assembler = TensorAssembler(self.limits.max_request_bytes, max_tensors=2, what="answer")
-        resp_meta: dict[str, Any] | None = None
-        try:
-            async for msg in responses:
-                self.traffic.add(wire_bytes_received=msg.ByteSize())
-                if resp_meta is None:
-                    resp_meta = decode_meta(msg.metadata, "answer metadata")
-                    _raise_if_failed(str(peer), resp_meta)
-                for part in msg.tensors:
-                    assembler.feed(part)
-            if resp_meta is None:
-                raise RemoteHopError(str(peer), "bad_response", "the answer stream ended empty")
-            return resp_meta, assembler.finish()
-        finally:
-            aclose = getattr(responses, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        k = activation_tensors(req.codec) if req.mode == "backprop" else 0
+        return await read_answer(str(peer), responses, assembler, progress=progress, expect=lambda m: k,
+                                 count=lambda n: self.traffic.add(wire_bytes_received=n))
 
     async def _parts(self, meta: bytes, pbs: list[runtime_pb2.Tensor],
                      k_state: int) -> AsyncIterator[runtime_pb2.ExpertRequest]:

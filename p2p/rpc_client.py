@@ -8,8 +8,11 @@ hivemind's unary cap is 4 MiB) is streamed in ``chunk_bytes`` parts. Every failu
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,7 +21,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerE
 from hivemind.proto import runtime_pb2
 
 from blocktrain.p2p.aioloop import LoopThread
-from blocktrain.p2p.errors import HopRequestError, HopTimeoutError, RemoteHopError
+from blocktrain.p2p.errors import HopRequestError, HopTimeoutError, RemoteHopError, StreamTruncatedError
 from blocktrain.p2p.hops import (
     STATE_DTYPES, WIRE_VERSION, HopRequest, HopResponse, decode_meta, encode_meta, estimate_request_bytes,
     estimate_response_bytes, namespace,
@@ -28,7 +31,14 @@ from blocktrain.p2p.rpc_server import INFO_NAMESPACE, UNARY_LIMIT_BYTES, BlockSe
 from blocktrain.p2p.tensors import DEFAULT_CHUNK_BYTES, TensorAssembler, decode_tensor, encode_tensor, split_parts
 from blocktrain.p2p.traffic import TrafficCounter
 
-__all__ = ["HopClient", "get_node_info"]
+__all__ = ["HopClient", "StreamProgress", "get_node_info", "read_answer"]
+
+logger = logging.getLogger(__name__)
+
+# why a stream can end short without an error (p2p/errors.py StreamTruncatedError says more)
+CUT_CAUSE = ("no error and no timeout: the stream was closed or reset under it (the connection between "
+             "the two daemons dropped, e.g. one starved past yamux's 10 s keepalive on a loaded machine, "
+             "or the peer went away)")
 
 
 def _peer(peer_id: str | PeerID) -> PeerID:
@@ -105,7 +115,8 @@ class HopClient:
                 _raise_if_failed(str(peer), resp_meta)
                 return resp_meta, list(resp.tensors), "unary"
         responses = await stub.rpc_forward_stream(self._request_parts(meta, pbs))
-        resp_meta, tensors = await self._collect(str(peer), responses, max_tensors=2)
+        resp_meta, tensors = await self._collect(str(peer), responses, max_tensors=2,
+                                                 expect=lambda m: 2 if m.get("has_logits") else 1)
         return resp_meta, tensors, "stream"
 
     async def _request_parts(
@@ -121,27 +132,12 @@ class HopClient:
 
     async def _collect(
         self, peer: str, responses: AsyncIterator[runtime_pb2.ExpertResponse], max_tensors: int,
-        max_bytes: int | None = None,
+        max_bytes: int | None = None, *, expect: Callable[[dict[str, Any]], int | None] | None = None,
+        progress: StreamProgress | None = None,
     ) -> tuple[dict[str, Any], list[runtime_pb2.Tensor]]:
         assembler = TensorAssembler(max_bytes or self.max_response_bytes, max_tensors=max_tensors, what="response")
-        meta: dict[str, Any] | None = None
-        try:
-            async for msg in responses:
-                self.traffic.received(msg.ByteSize())
-                if meta is None:
-                    meta = decode_meta(msg.metadata, "response metadata")
-                    _raise_if_failed(peer, meta)
-                for part in msg.tensors:
-                    assembler.feed(part)
-            if meta is None:
-                raise RemoteHopError(peer, "bad_response", "the stream ended without any answer")
-            return meta, assembler.finish()
-        except HopRequestError as e:
-            raise RemoteHopError(peer, "bad_response", e.reason) from None
-        finally:
-            aclose = getattr(responses, "aclose", None)
-            if aclose is not None:
-                await aclose()
+        return await read_answer(peer, responses, assembler, count=self.traffic.received, expect=expect,
+                                 progress=progress)
 
     def _check_answer(
         self, peer: str, req: HopRequest, rid: str, meta: dict[str, Any], tensors: list[runtime_pb2.Tensor]
@@ -177,22 +173,39 @@ class HopClient:
     # -- block state ------------------------------------------------------------------------
     async def get_block_state(
         self, peer_id: str | PeerID, block_index: int, timeout: float | None = None, *, max_bytes: int | None = None,
+        attempts: int = 2,
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Download a block's state from ``peer_id``: ``(metadata, {name: tensor})``, streamed in parts."""
+        """Download a block's state from ``peer_id``: ``(metadata, {name: tensor})``, streamed in parts.
+
+        A stream that ends short (:class:`StreamTruncatedError`: its connection dropped) is asked for
+        again, up to ``attempts`` streams in all, within the one ``timeout``; the last truncation is raised.
+        :class:`HopTimeoutError` says how far the stream got."""
         t = self.default_timeout if timeout is None else timeout
-        try:
-            meta, pbs = await asyncio.wait_for(self._get_state(_peer(peer_id), block_index, max_bytes), t)
-        except asyncio.TimeoutError:
-            self.traffic.call(ok=False)
-            raise HopTimeoutError(
-                f"peer {peer_id} did not deliver block {block_index}'s state within {t:.1f}s"
-            ) from None
-        except RemoteHopError:
-            self.traffic.call(ok=False)
-            raise
-        except (P2PHandlerError, P2PDaemonError, ConnectionError, asyncio.IncompleteReadError) as e:
-            self.traffic.call(ok=False)
-            raise _transport_error(str(peer_id), block_index, e) from None
+        deadline = time.monotonic() + t
+        for attempt in range(1, max(1, attempts) + 1):
+            progress = StreamProgress()
+            try:
+                meta, pbs = await asyncio.wait_for(self._get_state(_peer(peer_id), block_index, max_bytes, progress),
+                                                   max(0.0, deadline - time.monotonic()))
+                break
+            except asyncio.TimeoutError:
+                self.traffic.call(ok=False)
+                raise HopTimeoutError(
+                    f"peer {peer_id} did not deliver block {block_index}'s state within {t:.1f}s "
+                    f"(this stream delivered {progress.describe()})"
+                ) from None
+            except StreamTruncatedError as e:
+                if attempt >= attempts or deadline - time.monotonic() < 1.0:
+                    self.traffic.call(ok=False)
+                    raise
+                logger.warning("block %d's state from %s arrived truncated (%s); asking again", block_index, peer_id,
+                               e.reason)
+            except RemoteHopError:
+                self.traffic.call(ok=False)
+                raise
+            except (P2PHandlerError, P2PDaemonError, ConnectionError, asyncio.IncompleteReadError) as e:
+                self.traffic.call(ok=False)
+                raise _transport_error(str(peer_id), block_index, e) from None
         names = meta.get("names")
         if not isinstance(names, list) or len(names) != len(pbs) or not all(isinstance(n, str) for n in names):
             raise RemoteHopError(str(peer_id), "bad_response", f"state names {names!r} do not match {len(pbs)} tensors")
@@ -205,13 +218,14 @@ class HopClient:
         return (state_meta if isinstance(state_meta, dict) else {}), tensors
 
     async def _get_state(
-        self, peer: PeerID, block: int, max_bytes: int | None
+        self, peer: PeerID, block: int, max_bytes: int | None, progress: StreamProgress | None = None,
     ) -> tuple[dict[str, Any], list[runtime_pb2.Tensor]]:
         stub = BlockService.get_stub(self.p2p, peer, namespace=namespace(self.run_id, block))
         msg = runtime_pb2.ExpertRequest(metadata=encode_meta({"v": WIRE_VERSION, "block_index": int(block)}))
         self.traffic.sent(msg.ByteSize())
         responses = await stub.rpc_state(msg)
-        return await self._collect(str(peer), responses, max_tensors=4096, max_bytes=max_bytes)
+        return await self._collect(str(peer), responses, max_tensors=4096, max_bytes=max_bytes, progress=progress,
+                                   expect=lambda m: len(m["names"]) if isinstance(m.get("names"), list) else None)
 
     # -- blocking helpers -------------------------------------------------------------------
     def _need_loop(self) -> LoopThread:
@@ -229,6 +243,67 @@ class HopClient:
         self, peer_id: str | PeerID, block_index: int, timeout: float | None = None, *, max_bytes: int | None = None,
     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         return self._need_loop().run(self.get_block_state(peer_id, block_index, timeout, max_bytes=max_bytes))
+
+
+@dataclass
+class StreamProgress:
+    """How far an answer stream got (read after a timeout or a truncation to say so)."""
+
+    messages: int = 0
+    bytes: int = 0
+    tensors: int = 0                 # tensor headers seen
+    expected: int | None = None      # tensors a complete answer carries, once the first message said
+    started: float = field(default_factory=time.monotonic)
+
+    def describe(self) -> str:
+        of = f" of {self.expected}" if self.expected is not None else ""
+        return (f"{self.tensors}{of} tensor(s) in {self.messages} message(s), {self.bytes} bytes, "
+                f"in {time.monotonic() - self.started:.1f}s")
+
+
+async def read_answer(
+    peer: str, responses: AsyncIterator[runtime_pb2.ExpertResponse], assembler: TensorAssembler, *,
+    count: Callable[[int], None] | None = None, expect: Callable[[dict[str, Any]], int | None] | None = None,
+    progress: StreamProgress | None = None,
+) -> tuple[dict[str, Any], list[runtime_pb2.Tensor]]:
+    """Read a streamed answer to its end: ``(metadata of its first message, tensors)``, closing the stream.
+
+    hivemind ends the iteration the same way whether the peer finished or the stream was reset
+    under it, so completeness is checked here: a stream that ends before its first message, inside
+    a tensor, or with fewer tensors than ``expect(metadata)`` raises :class:`StreamTruncatedError`.
+    The peer's error answer raises :class:`RemoteHopError` with its code; an answer breaking the
+    protocol, ``bad_response``. ``count(n)`` is called with each message's size."""
+    progress = progress if progress is not None else StreamProgress()
+    meta: dict[str, Any] | None = None
+    try:
+        async for msg in responses:
+            size = msg.ByteSize()
+            progress.messages += 1
+            progress.bytes += size
+            if count is not None:
+                count(size)
+            if meta is None:
+                meta = decode_meta(msg.metadata, "response metadata")
+                _raise_if_failed(peer, meta)
+                progress.expected = expect(meta) if expect is not None else None
+            for part in msg.tensors:
+                assembler.feed(part)
+                progress.tensors += 1 if part.dtype else 0
+        if meta is None:
+            raise StreamTruncatedError(peer, f"the answer stream ended before its first message, "
+                                             f"after {progress.describe()}: {CUT_CAUSE}")
+        if assembler.cut is not None:
+            raise StreamTruncatedError(peer, f"{assembler.cut}, after {progress.describe()}: {CUT_CAUSE}")
+        tensors = assembler.finish()
+        if progress.expected is not None and len(tensors) < progress.expected:
+            raise StreamTruncatedError(peer, f"the answer stream ended after {progress.describe()}: {CUT_CAUSE}")
+        return meta, tensors
+    except HopRequestError as e:
+        raise RemoteHopError(peer, "bad_response", e.reason) from None
+    finally:
+        aclose = getattr(responses, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 async def get_node_info(p2p: P2P, peer_id: str | PeerID, timeout: float = 10.0) -> list[dict[str, str]]:
@@ -268,7 +343,8 @@ def _raise_if_failed(peer: str, meta: dict[str, Any]) -> None:
 def _transport_error(peer: str, block: int, e: BaseException) -> RemoteHopError:
     text = str(e) or type(e).__name__
     low = text.lower()
-    if "protocol" in low and ("not supported" in low or "negotiate" in low):
+    dial_failed = "failed to dial" in low or "security protocol" in low   # the peer's daemon did not answer
+    if "protocol" in low and ("not supported" in low or "negotiate" in low) and not dial_failed:
         return RemoteHopError(peer, "unknown_block", f"the peer does not serve block {block} of this run ({text})")
     if isinstance(e, P2PHandlerError):
         return RemoteHopError(peer, "remote_failure", text)

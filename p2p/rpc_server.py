@@ -35,7 +35,7 @@ from blocktrain.p2p.tensors import DEFAULT_CHUNK_BYTES, TensorAssembler, decode_
 from blocktrain.p2p.traffic import TrafficCounter
 
 __all__ = ["BlockService", "BlockRPCServer", "HopHandler", "StateProvider", "UNARY_LIMIT_BYTES", "InfoService",
-           "INFO_NAMESPACE", "failure_response", "split_response"]
+           "INFO_NAMESPACE", "failure_response", "log_cut", "split_response"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,9 +137,14 @@ class BlockService(ServicerBase):
         except Exception as e:
             response = self._failure(e, rid, context)
         await self._inject_delay()       # the answer's one-way trip
-        for msg in self._split(response):
-            self.traffic.sent(msg.ByteSize())
-            yield msg
+        msgs, n = self._split(response), 0
+        try:
+            for n, msg in enumerate(msgs, 1):
+                self.traffic.sent(msg.ByteSize())
+                yield msg
+        except (GeneratorExit, asyncio.CancelledError) as e:
+            log_cut(f"the hop answer to {context.remote_id}", f"{n - 1} of {len(msgs)} messages", e)
+            raise
         if not consumed:
             await self._discard_rest(requests)
 
@@ -224,12 +229,25 @@ class BlockService(ServicerBase):
         self.traffic.sent(first.ByteSize())
         yield first
         loop = asyncio.get_running_loop()
-        for name in names:
-            pb = await loop.run_in_executor(self._executor, encode_tensor, tensors[name])  # big copies off-loop
-            for part in split_parts(pb, self.chunk_bytes):
-                msg = runtime_pb2.ExpertResponse(tensors=[part])
-                self.traffic.sent(msg.ByteSize())
-                yield msg
+        done = 0
+        try:
+            for name in names:
+                pb = await loop.run_in_executor(self._executor, encode_tensor, tensors[name])  # big copies off-loop
+                for part in split_parts(pb, self.chunk_bytes):
+                    msg = runtime_pb2.ExpertResponse(tensors=[part])
+                    self.traffic.sent(msg.ByteSize())
+                    yield msg
+                done += 1
+        except (GeneratorExit, asyncio.CancelledError) as e:
+            log_cut(f"block {self.block_index}'s state to {context.remote_id}", f"{done} of {len(names)} tensors", e)
+            raise
+
+
+def log_cut(what: str, sent: str, e: BaseException) -> None:
+    """Say that an answer stream was closed under us: hivemind drops a failed send without a word
+    (and the caller's client may see a short stream; see p2p/errors.py StreamTruncatedError)."""
+    how = "handler cancelled" if isinstance(e, asyncio.CancelledError) else "stream closed"
+    logger.warning("%s stopped after %s (%s: the caller went away or the connection dropped)", what, sent, how)
 
 
 def failure_response(e: Exception, rid: str, what: str) -> runtime_pb2.ExpertResponse:

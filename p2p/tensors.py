@@ -126,15 +126,20 @@ class TensorAssembler:
             )
         self._cur_parts.append(part.buffer)
 
+    @property
+    def cut(self) -> str | None:
+        """Where the parts fed so far stop inside a tensor (None: at a tensor's end): a stream that
+        ends here was cut off, or its sender is broken."""
+        if self._cur is None or self._cur_received == self._cur_expected:
+            return None
+        return (f"{self.what} tensor #{len(self._done)} ({describe(self._cur)}) ended after "
+                f"{self._cur_received} of {self._cur_expected} bytes")
+
     def _close_current(self) -> None:
         if self._cur is None:
             return
-        if self._cur_received != self._cur_expected:
-            raise HopRequestError(
-                "malformed",
-                f"{self.what} tensor #{len(self._done)} ({describe(self._cur)}) ended after "
-                f"{self._cur_received} of {self._cur_expected} bytes",
-            )
+        if self.cut is not None:
+            raise HopRequestError("malformed", self.cut)
         whole = runtime_pb2.Tensor(size=self._cur.size, dtype=self._cur.dtype, compression=self._cur.compression)
         whole.buffer = b"".join(self._cur_parts)
         self._done.append(whole)

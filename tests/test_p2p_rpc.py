@@ -16,7 +16,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PHandlerError
 from hivemind.proto import runtime_pb2
 
 from blocktrain.p2p.aioloop import LoopThread
-from blocktrain.p2p.errors import HopTimeoutError, RemoteHopError
+from blocktrain.p2p.errors import HopTimeoutError, RemoteHopError, StreamTruncatedError
 from blocktrain.p2p.hops import WIRE_VERSION, HopRequest, decode_meta, encode_meta, namespace
 from blocktrain.p2p.rpc_client import HopClient
 from blocktrain.p2p.rpc_server import BlockService
@@ -202,3 +202,44 @@ def test_slow_peer_times_out_and_server_recovers(rpc):
         client.forward_sync(server.peer_id, slow, timeout=0.5)
     assert time.monotonic() - t0 < 2.5  # gave up long before the peer would have answered
     assert_good_answer(client, server)  # the server still serves while its slow hop runs
+
+
+# -- a stream cut under the client (the connection between the daemons drops) -----------------------
+PAUSE = 1.5   # the test server sends each state tensor this long after the previous message
+
+
+def _state_call_cut_after_metadata(client: HopClient, server: NodeProc, **kw):
+    """Start a state download from the paced server, and once its first message (the metadata) is
+    in, drop the connection between the two daemons, as yamux does when a peer's daemon misses its
+    keepalive: the download's concurrent Future."""
+    before = client.traffic.snapshot().bytes_received
+    fut = client.loop.submit(client.get_block_state(server.peer_id, 0, **kw))
+    deadline = time.monotonic() + 30
+    while client.traffic.snapshot().bytes_received == before:
+        assert time.monotonic() < deadline and not fut.done(), "the metadata never arrived"
+        time.sleep(0.01)
+    client.loop.run(client.p2p._client.disconnect(PeerID.from_base58(server.peer_id)), timeout=10)
+    return fut
+
+
+def test_a_state_stream_cut_mid_way_is_a_typed_truncation_then_read_again(rpc):
+    server, client = rpc
+    server.cmd("state_pause", seconds=PAUSE)
+    try:
+        t0 = time.monotonic()
+        fut = _state_call_cut_after_metadata(client, server, timeout=60, attempts=1)
+        with pytest.raises(StreamTruncatedError) as e:
+            fut.result(timeout=60)
+        assert e.value.code == "truncated" and e.value.peer_id == server.peer_id
+        assert "of 2 tensor(s)" in e.value.reason and "no timeout" in e.value.reason, e.value.reason
+        assert time.monotonic() - t0 < 30   # told at once, not at the 60 s timeout
+        # the product's default: a truncated download is asked for again, within the same timeout
+        meta, tensors = _state_call_cut_after_metadata(client, server, timeout=60).result(timeout=60)
+        assert meta == {"block": 0, "step": 7}
+        assert torch.equal(tensors["weight"], torch.arange(STATE_FLOATS, dtype=torch.float32))
+        # a slow stream that runs out of time is a timeout, and says how far it got
+        with pytest.raises(HopTimeoutError, match=r"within 2.0s \(this stream delivered \d+ (of 2 )?tensor"):
+            client.get_block_state_sync(server.peer_id, 0, timeout=2.0)
+    finally:
+        server.cmd("state_pause", seconds=0)
+    assert set(client.get_block_state_sync(server.peer_id, 0)[1]) == {"weight", "bias"}

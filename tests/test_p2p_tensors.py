@@ -52,9 +52,18 @@ def test_streamed_parts_reassemble_and_caps_apply_on_the_header():
     with pytest.raises(HopRequestError, match="before any tensor header"):
         broken.feed(parts[1])
     short = TensorAssembler(max_total_bytes=50_000)
+    assert short.cut is None
     short.feed(parts[0])
+    assert short.cut == "request tensor #0 (10000 float32) ended after 4096 of 40000 bytes"   # a stream cut here
     with pytest.raises(HopRequestError, match="ended after 4096 of 40000 bytes"):
         short.finish()
+    for p in parts[1:10]:
+        short.feed(p)
+    assert short.cut is None
+    with pytest.raises(HopRequestError, match="ended after 4096 of 40000 bytes"):
+        broken = TensorAssembler(max_total_bytes=50_000)
+        broken.feed(parts[0])
+        broken.feed(parts[10])     # the next tensor's header before this one's bytes
 
 
 def _headers(n=1, t=16, d=8, sdt=torch.float32, cdt=torch.uint8, sig=(2,)):

@@ -10,7 +10,9 @@ Logs go to stderr. Start it with ``start_new_session=True`` and kill its process
 The RPC hop handler is deterministic: ``new_state = state * 0.5 + sigma`` (sigma = first noise level
 of each row), logits = one-hot(context) * 1.0. If the first noise level is >= 1000 it first sleeps
 ``sigma - 1000`` seconds (max 10), to exercise client timeouts. The state provider returns
-``{"weight": arange(n), "bias": ones(3)}`` with ``n = --state-floats``.
+``{"weight": arange(n), "bias": ones(3)}`` with ``n = --state-floats``; after ``{"cmd": "state_pause",
+"seconds": s}`` each state tensor leaves ``s`` seconds after the previous message (a slow stream
+whose metadata has already arrived, for tests that cut the connection under it).
 """
 from __future__ import annotations
 
@@ -30,13 +32,24 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.routing import DHTID
 from hivemind.utils.serializer import MSGPackSerializer
 
-from blocktrain.p2p.aioloop import LoopThread
+from blocktrain.p2p.aioloop import LoopThread, in_event_loop
 from blocktrain.p2p.dht_schema import blocks_key, parse_block_subkey
 from blocktrain.p2p.discovery import Discovery
 from blocktrain.p2p.hops import HopLimits, HopRequest, HopResponse
 from blocktrain.p2p.identity import NodeIdentity
 from blocktrain.p2p.records import BlockAnnouncement, RunManifest
+from blocktrain.p2p import rpc_server
 from blocktrain.p2p.rpc_server import BlockRPCServer
+
+STATE_PAUSE = {"seconds": 0.0}
+
+
+def _paced_encode(t: torch.Tensor, _encode=rpc_server.encode_tensor):
+    """The server's tensor encoder, ``state_pause`` seconds late in its worker threads (state tensors;
+    hop answers are encoded on the event loop and never wait)."""
+    if STATE_PAUSE["seconds"] > 0 and not in_event_loop():
+        time.sleep(STATE_PAUSE["seconds"])
+    return _encode(t)
 
 
 def hop_handler(req: HopRequest, vocab: int = 256) -> HopResponse:
@@ -91,6 +104,7 @@ class ControlledNode:
             )
             for b in args.blocks:
                 self.loop.run(self.server.add_block(b))
+            rpc_server.encode_tensor = _paced_encode
 
     def ann(self, c: dict[str, Any]) -> BlockAnnouncement:
         return BlockAnnouncement(
@@ -137,6 +151,9 @@ class ControlledNode:
             entries = found.value if found is not None and isinstance(found.value, dict) else {}
             return [{"block": p[0] if (p := parse_block_subkey(sk)) else None,
                      "owner": p[1].decode()[-24:] if p else None} for sk in entries]
+        if cmd == "state_pause":
+            STATE_PAUSE["seconds"] = min(10.0, max(0.0, float(c["seconds"])))
+            return None
         if cmd == "traffic":
             return vars(self.server.traffic.snapshot()) if self.server else None
         raise ValueError(f"unknown command {cmd!r}")
