@@ -63,6 +63,10 @@ def simulate_table(res: dict) -> Table:
               help="Rebalancing: holders the old block keeps.")
 @click.option("--min-dwell-s", type=click.FloatRange(0), default=600.0, show_default=True,
               help="Rebalancing: seconds on a block before leaving it.")
+@click.option("--urgent-below", type=click.IntRange(0), default=2, show_default=True,
+              help="Rebalancing: a block with fewer ready holders is urgent (moves to it skip the dwell); 0: off.")
+@click.option("--urgent-inflight", type=click.IntRange(1), default=3, show_default=True,
+              help="Rebalancing: an urgent block takes movers while fewer than this many are on their way.")
 @click.option("--seeds", type=click.IntRange(1, 100), default=1, show_default=True,
               help="Seeds per setting (seed, seed+1, ...), figures averaged.")
 @click.option("--seed", type=int, default=0, show_default=True, help="First seed.")
@@ -73,7 +77,7 @@ def simulate_table(res: dict) -> Table:
 @friendly
 def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, session_dist, session_median_h,
                        session_sigma, pareto_alpha, download_median_s, round_window_s, hop_failure, graceful, policy, min_surplus, min_keep,
-                       min_dwell_s, seeds, seed, plot, record, as_json):
+                       min_dwell_s, urgent_below, urgent_inflight, seeds, seed, plot, record, as_json):
     """Simulate a volunteer network under churn: block coverage, averaging, generation, moves.
 
     \b
@@ -90,7 +94,8 @@ def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, sessi
     from blocktrain.node.routing.selection import RebalancePolicy
 
     base = SimSettings(members=members, days=days, warmup_h=warmup_h, blocks=blocks, seed=seed,
-                       policy=RebalancePolicy(min_surplus=min_surplus, min_keep=min_keep, min_dwell_s=min_dwell_s))
+                       policy=RebalancePolicy(min_surplus=min_surplus, min_keep=min_keep, min_dwell_s=min_dwell_s,
+                                              urgent_below=urgent_below, urgent_inflight=urgent_inflight))
     named = {"join_rate_per_day": join_rate, "session_dist": session_dist, "session_median_h": session_median_h,
              "session_sigma": session_sigma, "pareto_alpha": pareto_alpha, "download_median_s": download_median_s,
              "round_window_s": round_window_s, "hop_failure": hop_failure,

@@ -37,6 +37,7 @@ def summarize(sim: Simulation) -> dict:
         "generation_fail_no_holder": sim.gen_uncovered / len(sim.gen_ok) if sim.gen_ok else None,
         "moves": sim.moves,
         "moves_per_member_day": sim.moves / (s.members * s.days),
+        "urgent_moves": sim.urgent_moves,
         "joins": sim.joins,
         "timeline": {
             "hour": [round(per * (i + 0.5) / HOUR, 4) for i in range(len(bins))],
@@ -84,7 +85,7 @@ def pool(runs: list[dict]) -> dict:
         vals = [r[k] for r in runs]
         if k == "holders_min":
             out[k] = min(vals)
-        elif k in ("empty_episodes", "moves", "joins", "groups_failed_by_a_departure", "wall_s"):
+        elif k in ("empty_episodes", "moves", "urgent_moves", "joins", "groups_failed_by_a_departure", "wall_s"):
             out[k] = sum(vals)
         elif k == "empty_episode_mean_s":
             eps = [(r[k], r["empty_episodes"]) for r in runs if r[k] is not None]
