@@ -168,15 +168,23 @@ def rebalance_target(counts: Sequence[int], throughputs: Sequence[float], my_blo
     def keeps(c: int) -> bool:     # block c keeps min_keep live and min_keep ready holders without one of them
         return counts[c] - 1 >= policy.min_keep and ready[c] - 1 >= policy.min_keep
 
+    ordinary = _ordinary_target(counts, throughputs, my_block, held_for_s, draw, policy, keeps)
     u = min(range(n), key=lambda b: (ready[b], counts[b], throughputs[b], b))
     if ready[u] < policy.urgent_below and counts[u] - ready[u] < policy.urgent_inflight:   # rule 5: urgent
         def rescuer(c: int) -> bool:
             return c != u and keeps(c) and ready[c] - ready[u] >= policy.min_surplus
 
-        if rescuer(my_block):
+        if rescuer(my_block):   # a block in danger first: no ordinary move elsewhere meanwhile
             donors = sum(ready[c] for c in range(n) if rescuer(c))
             wanted = policy.urgent_inflight - (counts[u] - ready[u])
-            return u if draw < min(1.0, policy.eagerness * wanted / donors) else None
+            return u if ordinary == u or draw < min(1.0, policy.eagerness * wanted / donors) else None
+    return ordinary
+
+
+def _ordinary_target(counts: Sequence[int], throughputs: Sequence[float], my_block: int, held_for_s: float,
+                     draw: float, policy: RebalancePolicy, keeps) -> int | None:
+    """Rules 1-4 (the module docstring)."""
+    n = len(counts)
     if held_for_s < policy.min_dwell_s:
         return None
     t = least_held(counts, throughputs)
