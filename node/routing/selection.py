@@ -15,14 +15,27 @@ The node moves from its block ``m`` to ``t`` only if all of these hold:
 1. it has held ``m`` for at least ``min_dwell_s`` (a node that just arrived or moved stays put);
 2. ``n[m] - n[t] >= min_surplus`` (default 2: a move then strictly lowers the spread, so the
    move cannot be undone by the same rule: with a surplus of 1 two nodes would swap forever);
-3. ``n[m] - 1 >= min_keep`` (default 2: the block it leaves keeps at least two holders, so the
-   rule never leaves a block without a holder, and never leaves one with only one);
+3. ``n[m] - 1 >= min_keep`` and ``r[m] - 1 >= min_keep`` (default 2: the block it leaves keeps at
+   least two live holders and two *ready* ones, ``r`` from :func:`ready_load`: online, not still
+   downloading; so the rule never leaves a block without a holder, nor with only one);
 4. ``draw < p`` where ``draw`` is the caller's uniform random number in [0, 1) and
    ``p = min(1, eagerness * deficit / donors)``: ``deficit = max(1, floor(mean n) - n[t])`` is
    how many holders ``t`` lacks, ``donors`` the holders of every block that passes 2 and 3
    against ``t``. Every donor checks once per period, so one period moves ``eagerness * deficit``
    nodes in expectation (default half the deficit), not every surplus holder at once (Petals
    staggers its servers' checks for the same reason).
+
+5. **Urgent** (checked first, no dwell): let ``u`` be the block with the fewest ready holders. If
+   ``r[u] < urgent_below`` (default 2: one ready holder, or none) and fewer than ``urgent_inflight``
+   (default 3) holders are on their way to it (``n[u] - r[u]``), a node whose block keeps two live
+   and two ready holders (rule 3) moves to ``u`` with probability ``eagerness * wanted / donors``
+   (``wanted = urgent_inflight - (n[u] - r[u])``, ``donors`` the ready holders of every such
+   block), or if rules 1-4 pick ``u`` anyway; while a block is urgent its rescuers make no ordinary
+   move elsewhere. A block at one ready holder empties if that holder leaves before a joiner has
+   finished downloading; the simulator found those to be most of the remaining empty episodes.
+   The rule cannot flap: it only takes from blocks that keep two ready holders, so it never makes
+   a block urgent. On one stale view shared by every node it overshoots more than rules 1-4
+   (``tests/test_selection.py``).
 
 Nodes that check one after another, each seeing the moves announced before it, converge without
 any node moving back to a block it left (``tests/test_selection.py``). Nodes deciding on one stale
