@@ -27,7 +27,9 @@ def simulate_table(res: dict) -> Table:
                       _f(r["averaging_participation"], ".4f"), _f(100 * r["generation_success"], ".3f"),
                       _f(r["moves_per_member_day"], ".2f"))
     t.caption = ("; ".join(f"{n}: {sc['churn']}" for n, sc in res["scenarios"].items())
-                 + ". Churn, download times and round timings are assumed, not calibrated (the JSON's 'assumed').")
+                 + f". Churn assumed; download median {first['download_median_s']:g} s, round window "
+                   f"{first['round_window_s']:g} s, hop failure {first['hop_failure']:g}: the defaults are assumed, "
+                   "BENCHMARKS.md gives measured values (the JSON's 'assumed').")
     return t
 
 

@@ -147,8 +147,10 @@ def plot_simulation(res: dict, path: str | Path) -> Path:
         for ax in (a, b):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
+    s0 = next(iter(sc.values()))["settings"]
     fig.suptitle("bt-node bench simulate: block coverage under churn, join-only vs join + rebalancing "
-                 "(churn and timings assumed)", fontsize=9)
+                 f"(churn assumed; download median {s0['download_median_s']:g} s, round window "
+                 f"{s0['round_window_s']:g} s, hop failure {s0['hop_failure']:g})", fontsize=9)
     return save(plt, fig, path)
 
 
