@@ -4,8 +4,8 @@ One event heap (``heapq``). What a member *sees* is the announcement view: per b
 records (joining or online) of every peer, including records of members that crashed, which stay
 until their TTL runs out (a graceful leave withdraws them at once). Joining uses the real
 ``least_held`` behind ``choose_block``; rebalancing calls the real ``rebalance_target`` on the
-same counts ``block_load`` would compute from the view (``check_view`` rebuilds the view at every
-join and asserts that). What *happens* is the truth: a block is covered while at least one online
+same live and ready counts ``block_load`` and ``ready_load`` would compute from the view
+(``check_view`` rebuilds the view at every join and asserts that). What *happens* is the truth: a block is covered while at least one online
 member has finished downloading it (a ready holder).
 
 Deterministic given the seed: each member draws its sessions from its own generator, in the same
