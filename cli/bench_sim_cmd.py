@@ -27,7 +27,9 @@ def simulate_table(res: dict) -> Table:
                       _f(r["averaging_participation"], ".4f"), _f(100 * r["generation_success"], ".3f"),
                       _f(r["moves_per_member_day"], ".2f"))
     t.caption = ("; ".join(f"{n}: {sc['churn']}" for n, sc in res["scenarios"].items())
-                 + ". Churn, download times and round timings are assumed, not calibrated (the JSON's 'assumed').")
+                 + f". Churn assumed; download median {first['download_median_s']:g} s, round window "
+                   f"{first['round_window_s']:g} s, hop failure {first['hop_failure']:g}: the defaults are assumed, "
+                   "BENCHMARKS.md gives measured values (the JSON's 'assumed').")
     return t
 
 
@@ -63,6 +65,10 @@ def simulate_table(res: dict) -> Table:
               help="Rebalancing: holders the old block keeps.")
 @click.option("--min-dwell-s", type=click.FloatRange(0), default=600.0, show_default=True,
               help="Rebalancing: seconds on a block before leaving it.")
+@click.option("--urgent-below", type=click.IntRange(0), default=2, show_default=True,
+              help="Rebalancing: a block with fewer ready holders is urgent (moves to it skip the dwell); 0: off.")
+@click.option("--urgent-inflight", type=click.IntRange(1), default=3, show_default=True,
+              help="Rebalancing: an urgent block takes movers while fewer than this many are on their way.")
 @click.option("--seeds", type=click.IntRange(1, 100), default=1, show_default=True,
               help="Seeds per setting (seed, seed+1, ...), figures averaged.")
 @click.option("--seed", type=int, default=0, show_default=True, help="First seed.")
@@ -73,7 +79,7 @@ def simulate_table(res: dict) -> Table:
 @friendly
 def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, session_dist, session_median_h,
                        session_sigma, pareto_alpha, download_median_s, round_window_s, hop_failure, graceful, policy, min_surplus, min_keep,
-                       min_dwell_s, seeds, seed, plot, record, as_json):
+                       min_dwell_s, urgent_below, urgent_inflight, seeds, seed, plot, record, as_json):
     """Simulate a volunteer network under churn: block coverage, averaging, generation, moves.
 
     \b
@@ -90,7 +96,8 @@ def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, sessi
     from blocktrain.node.routing.selection import RebalancePolicy
 
     base = SimSettings(members=members, days=days, warmup_h=warmup_h, blocks=blocks, seed=seed,
-                       policy=RebalancePolicy(min_surplus=min_surplus, min_keep=min_keep, min_dwell_s=min_dwell_s))
+                       policy=RebalancePolicy(min_surplus=min_surplus, min_keep=min_keep, min_dwell_s=min_dwell_s,
+                                              urgent_below=urgent_below, urgent_inflight=urgent_inflight))
     named = {"join_rate_per_day": join_rate, "session_dist": session_dist, "session_median_h": session_median_h,
              "session_sigma": session_sigma, "pareto_alpha": pareto_alpha, "download_median_s": download_median_s,
              "round_window_s": round_window_s, "hop_failure": hop_failure,

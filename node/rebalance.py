@@ -2,9 +2,12 @@
 
 The decision is :func:`~blocktrain.node.routing.selection.choose_rebalance`, the same code the
 simulator (``bench/sim``) runs, checked once per announcement period (TTL/3) with a fresh random
-draw. Its hysteresis (a surplus of 2, the old block keeps 2, ``min_dwell_s`` on a block before
-leaving it, a probability so that not every donor moves at once) keeps nodes from flapping; a move
-that fails restarts the dwell, so a node does not retry a refused move every period.
+draw. Its hysteresis (a surplus of 2, the old block keeps 2 live and 2 ready holders, ``min_dwell_s``
+on a block before leaving it, a probability so that not every donor moves at once) keeps nodes from
+flapping. Its urgent rule (a block with one ready holder or none is rescued without the dwell)
+ignores the dwell, so the dwell alone cannot stop a node retrying a refused move every period: a
+move that fails restarts the dwell (no ordinary move for ``min_dwell_s``) and the node makes no
+move at all for ``RETRY_PERIODS`` periods.
 
 A move from block m to block t (:meth:`Rebalancer.move`), while the node keeps training and serving m:
 
@@ -34,6 +37,7 @@ from blocktrain.node.state_fetch import StateFetcher
 
 log = logging.getLogger(__name__)
 GRACE_S = 5.0   # keep serving the old block this long after its tombstone (routers cache holders 3 s)
+RETRY_PERIODS = 6   # after a refused move, no move for this many periods (60 s at the default 30 s TTL)
 
 
 class MoveRefused(Exception):
@@ -50,6 +54,7 @@ class Rebalancer:
         self.moves: list[dict] = []          # finished moves: from, to, at, took_s, state_from
         self.refused: list[dict] = []        # abandoned moves: to, at, reason
         self.checks = 0
+        self.retry_at = 0.0                  # monotonic: no move before this (set by a refused move)
         self.last_view: list[int] | None = None   # live holders per block at the last check
         self._lock = threading.Lock()
 
@@ -58,6 +63,7 @@ class Rebalancer:
         return {"enabled": True, "checks": self.checks, "moving_to": n.moving_to,
                 "held_for_s": round(time.monotonic() - n.block_since, 1),
                 "min_dwell_s": self.policy.min_dwell_s, "last_view": self.last_view,
+                "retry_in_s": round(max(0.0, self.retry_at - time.monotonic()), 1),
                 "moves": self.moves[-10:], "refused": self.refused[-10:]}
 
     def run(self, stop: threading.Event) -> None:
@@ -70,6 +76,8 @@ class Rebalancer:
         self.checks += 1
         holders = n.discovery.list_holders(n.run_id)
         self.last_view = block_load(holders, n.cfg.n_blocks)[0]
+        if time.monotonic() < self.retry_at:
+            return None
         t = choose_rebalance(holders, n.cfg.n_blocks, n.block_index, n.peer_id,
                              held_for_s=time.monotonic() - n.block_since, draw=self.rng.random(), policy=self.policy)
         if t is None or stop.is_set():
@@ -166,7 +174,8 @@ class Rebalancer:
         n = self.node
         log.warning("rebalancing: move to block %d abandoned: %s", t, reason)
         n.moving_to = None
-        n.block_since = time.monotonic()   # wait a full dwell before trying again: no retry storm
+        n.block_since = time.monotonic()   # no ordinary move for a full dwell
+        self.retry_at = time.monotonic() + RETRY_PERIODS * self.period_s   # and no urgent one for a while
         if new_avg is not None:
             new_avg.shutdown()
         if t in n._serving and t != n.block_index:

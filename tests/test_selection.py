@@ -7,7 +7,7 @@ import random
 import pytest
 
 from blocktrain.node.routing.selection import (
-    Holder, RebalancePolicy, block_load, choose_block, choose_rebalance, rebalance_target,
+    Holder, RebalancePolicy, block_load, choose_block, choose_rebalance, ready_load, rebalance_target,
 )
 from blocktrain.p2p.records import BlockAnnouncement
 
@@ -56,7 +56,8 @@ def test_moves_from_a_crowded_block_to_an_empty_one():
 
 def test_stays_when_the_spread_is_one_or_the_dwell_is_short():
     assert rebalance_target([3, 2, 3, 3], [0.0] * 4, 0, held_for_s=LONG, draw=EAGER) is None
-    assert rebalance_target([6, 0, 3, 3], [0.0] * 4, 0, held_for_s=599.0, draw=EAGER) is None
+    assert rebalance_target([6, 2, 3, 3], [0.0] * 4, 0, held_for_s=599.0, draw=EAGER) is None
+    assert rebalance_target([6, 2, 3, 3], [0.0] * 4, 0, held_for_s=600.0, draw=EAGER) == 1
     assert rebalance_target([6, 0, 3, 3], [0.0] * 4, 1, held_for_s=LONG, draw=EAGER) is None  # I am the neediest
 
 
@@ -93,6 +94,61 @@ def test_probability_spreads_the_moves():
     assert rebalance_target(counts, [0.0] * 3, 0, held_for_s=LONG, draw=0.16) is None
     eager = RebalancePolicy(eagerness=1.0)
     assert rebalance_target(counts, [0.0] * 3, 0, held_for_s=LONG, draw=0.29, policy=eager) == 2
+
+
+# -- the urgent rule: a block at fewer than 2 ready holders ------------------------------------------
+def test_ready_load_counts_online_holders_and_no_mover():
+    h = holder_map({"a": 0, "b": 0, "c": 0, "d": 1}, moving={"a": 2, "e": 1})
+    assert block_load(h, 3)[0] == [2, 2, 1]
+    assert ready_load(h, 3) == [2, 1, 0]      # e is still downloading block 1; a is leaving 0 for 2
+
+
+def test_a_block_at_one_ready_holder_is_rescued_without_the_dwell():
+    """Block 1: one ready holder and two joiners still downloading. By live counts (4, 3, 3) nothing
+    is to be done; by ready holders block 1 is one departure from empty: a holder of block 0 (4 ready)
+    moves there at once, however short its dwell."""
+    h = holder_map({"a": 0, "b": 0, "c": 0, "d": 0, "x": 1, "y": 2, "z": 2, "w": 2}, moving={"j1": 1, "j2": 1})
+    assert block_load(h, 3)[0] == [4, 3, 3] and ready_load(h, 3) == [4, 1, 3]
+    assert choose_rebalance(h, 3, 0, "a", held_for_s=0.0, draw=EAGER) == 1
+    off = RebalancePolicy(urgent_below=0)            # without the urgent rule: the dwell and the spread say stay
+    assert choose_rebalance(h, 3, 0, "a", held_for_s=0.0, draw=EAGER, policy=off) is None
+    assert choose_rebalance(h, 3, 0, "a", held_for_s=LONG, draw=EAGER, policy=off) is None
+    # block 2 has 3 ready: it may give one too; a draw above the probability stays
+    assert choose_rebalance(h, 3, 2, "y", held_for_s=0.0, draw=EAGER) == 1
+    assert choose_rebalance(h, 3, 0, "a", held_for_s=0.0, draw=0.99) is None
+
+
+def test_urgent_stops_when_enough_are_on_their_way_and_never_strips_a_block():
+    pol = RebalancePolicy()
+    # three on their way to block 1 (urgent_inflight): no more rescuers; the ordinary rule: spread 0
+    assert rebalance_target([4, 4, 4], [0.0] * 3, 0, held_for_s=0.0, draw=EAGER, ready=[4, 1, 4]) is None
+    # block 0 has 3 live but only 2 ready (one still downloading): it gives nobody away
+    assert rebalance_target([3, 1, 4], [0.0] * 3, 0, held_for_s=LONG, draw=EAGER, ready=[2, 1, 4]) is None
+    assert rebalance_target([3, 1, 4], [0.0] * 3, 2, held_for_s=0.0, draw=EAGER, ready=[2, 1, 4]) == 1
+    # every (live, ready) layout of 3 blocks up to 5 holders: a move keeps min_keep live and ready holders,
+    # and either rescues a block below urgent_below ready holders or follows the ordinary rule
+    moves = urgent = 0
+    for counts in itertools.product(range(6), repeat=3):
+        for ready in itertools.product(*(range(c + 1) for c in counts)):
+            for my in range(3):
+                if ready[my] == 0:
+                    continue
+                t = rebalance_target(counts, [0.0] * 3, my, held_for_s=0.0, draw=EAGER, policy=pol, ready=ready)
+                if t is None:
+                    continue
+                moves += 1
+                assert counts[my] - 1 >= pol.min_keep and ready[my] - 1 >= pol.min_keep, (counts, ready, my, t)
+                assert ready[t] < pol.urgent_below and counts[t] - ready[t] < pol.urgent_inflight, (counts, ready, t)
+                assert ready[t] == min(ready), (counts, ready, my, t)
+                urgent += 1
+    assert moves == urgent > 50     # held 0 s: only urgent moves, and there are some
+
+
+def test_policy_rejects_bad_urgent_knobs():
+    with pytest.raises(ValueError, match="urgent"):
+        RebalancePolicy(urgent_below=-1)
+    with pytest.raises(ValueError, match="urgent"):
+        RebalancePolicy(urgent_inflight=0)
 
 
 def test_policy_rejects_knobs_that_would_flap_or_empty_a_block():
@@ -168,7 +224,9 @@ def test_population_converges_without_flapping(seed):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_population_on_one_stale_snapshot_converges_with_few_extra_moves(seed):
-    """The stalest view: every node decides on the snapshot taken at the start of the period."""
+    """The stalest view: every node decides on the snapshot taken at the start of the period. Six
+    blocks start empty, so the urgent rule (no dwell) sends rescuers on that one view too: a few
+    overshoot and come back (3 of 40 at seed 0, none at seeds 1-5)."""
     history, serving = run_population(SKEWED, 8, periods=300, download_periods=2, synchronous=True, seed=seed)
     final = serving[-1]
     assert max(final) - min(final) < RebalancePolicy().min_surplus, final
@@ -176,4 +234,4 @@ def test_population_on_one_stale_snapshot_converges_with_few_extra_moves(seed):
     moves = sum(len(v) - 1 for v in history.values())
     assert moves <= 1.5 * 30, moves                                   # 30 moves are needed
     came_back = [p for p, v in history.items() if len(v) != len(set(v))]
-    assert len(came_back) <= 2, came_back
+    assert len(came_back) <= 3, came_back

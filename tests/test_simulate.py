@@ -141,3 +141,15 @@ def test_hop_failure_costs_generations_when_tries_run_out():
     assert flaky5["generation_success"] > flaky1["generation_success"] + 0.05
     with pytest.raises(ValueError, match="hop_failure"):
         replace(CHURNY, hop_failure=1.0).validate()
+
+
+def test_urgent_rule_rescues_a_block_at_one_holder_despite_the_dwell():
+    """Block 0 starts with one holder, the other 7 blocks with 6 or 7; nobody leaves and the dwell is
+    longer than the run: only the urgent rule can move anyone, and it gives block 0 a second holder
+    within the warm-up (measured: never fewer than 2); without it block 0 stays at one."""
+    layout = (0,) + tuple(1 + i % 7 for i in range(47))
+    s = replace(STILL, initial_layout=layout, rebalance=True, policy=RebalancePolicy(min_dwell_s=1e9))
+    on = simulate(s)
+    off = simulate(replace(s, policy=RebalancePolicy(min_dwell_s=1e9, urgent_below=0)))
+    assert off["holders_min"] == 1 and off["moves"] == 0
+    assert on["holders_min"] >= 2 and on["coverage"] == 1.0

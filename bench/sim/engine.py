@@ -4,8 +4,8 @@ One event heap (``heapq``). What a member *sees* is the announcement view: per b
 records (joining or online) of every peer, including records of members that crashed, which stay
 until their TTL runs out (a graceful leave withdraws them at once). Joining uses the real
 ``least_held`` behind ``choose_block``; rebalancing calls the real ``rebalance_target`` on the
-same counts ``block_load`` would compute from the view (``check_view`` rebuilds the view at every
-join and asserts that). What *happens* is the truth: a block is covered while at least one online
+same live and ready counts ``block_load`` and ``ready_load`` would compute from the view
+(``check_view`` rebuilds the view at every join and asserts that). What *happens* is the truth: a block is covered while at least one online
 member has finished downloading it (a ready holder).
 
 Deterministic given the seed: each member draws its sessions from its own generator, in the same
@@ -21,7 +21,9 @@ from math import comb
 
 import numpy as np
 
-from blocktrain.node.routing.selection import Holder, block_load, choose_block, least_held, rebalance_target
+from blocktrain.node.routing.selection import (
+    Holder, block_load, choose_block, least_held, ready_load, rebalance_target,
+)
 
 from .model import DAY, HOUR, SimSettings
 
@@ -59,6 +61,7 @@ class Simulation:
         self.rec_ver: dict[tuple[int, int], int] = {}
         self.cnt = [0] * nb             # live holders per block as block_load counts them
         self.tp = [0] * nb              # their total throughput (integers: sums are exact)
+        self.rdy = [0] * nb             # of those, online (ready) as ready_load counts them
         self.ann_online: list[set[int]] = [set() for _ in range(nb)]
         # the truth
         self.ready = [0] * nb
@@ -82,6 +85,7 @@ class Simulation:
         self.round_ok = 0
         self.rounds_failed_leave = 0
         self.moves = 0
+        self.urgent_moves = 0           # moves to a block that had fewer than urgent_below ready holders
         self.joins = 0
 
     # -- plumbing --------------------------------------------------------------------------------
@@ -115,6 +119,7 @@ class Simulation:
         for c in self.counted(recs):
             self.cnt[c] -= 1
             self.tp[c] -= w
+            self.rdy[c] -= recs[c] == "online"
         if recs.get(b) == "online":
             self.ann_online[b].discard(m)
         if state is None:
@@ -129,6 +134,7 @@ class Simulation:
         for c in self.counted(recs):
             self.cnt[c] += 1
             self.tp[c] += w
+            self.rdy[c] += recs[c] == "online"
         self.rec_ver[(m, b)] = self.rec_ver.get((m, b), 0) + 1
 
     def view(self) -> dict[int, list[Holder]]:
@@ -182,6 +188,7 @@ class Simulation:
         if s.check_view:
             view = self.view()
             assert block_load(view, s.blocks) == (self.cnt, [float(x) for x in self.tp]), "view out of step"
+            assert ready_load(view, s.blocks) == self.rdy, "ready view out of step"
             assert choose_block(view, s.blocks) == b
         self.set_rec(m, b, "joining")
         self.pending[m] = b
@@ -260,19 +267,27 @@ class Simulation:
         self.gen_ok.append(p)
 
     def rebalance(self) -> None:
-        s, pol, cnt = self.s, self.s.policy, self.cnt
-        lo, hi = min(cnt), max(cnt)
-        if hi - lo < pol.min_surplus or hi - 1 < pol.min_keep:
+        """Every ready member not mid-move checks the rule once per period, in a random order, each
+        seeing the moves before it. Members that cannot pass the rule are skipped up front (speed
+        only: ``rebalance_target`` decides)."""
+        s, pol, cnt, rdy = self.s, self.s.policy, self.cnt, self.rdy
+
+        def keeps(b: int) -> bool:
+            return cnt[b] - 1 >= pol.min_keep and rdy[b] - 1 >= pol.min_keep
+
+        lo = min(cnt)
+        urgent = min(rdy) < pol.urgent_below     # the urgent rule may apply: no dwell, any block that keeps 2
+        if not urgent and max(cnt) - lo < pol.min_surplus:
             return
-        donors = [b for b in range(s.blocks) if cnt[b] - lo >= pol.min_surplus and cnt[b] - 1 >= pol.min_keep]
+        donors = [b for b in range(s.blocks) if keeps(b) and (urgent or cnt[b] - lo >= pol.min_surplus)]
         cands = sorted(m for b in donors for m in self.members_in[b]
-                       if self.pending[m] < 0 and self.now - self.held_since[m] >= pol.min_dwell_s)
+                       if self.pending[m] < 0 and (urgent or self.now - self.held_since[m] >= pol.min_dwell_s))
         self.move_rng.shuffle(cands)  # each member checks at its own phase of the period; order is random
         for m in cands:
             if self.pending[m] >= 0:
                 continue
             t = rebalance_target(cnt, self.tp, self.block[m], held_for_s=self.now - self.held_since[m],
-                                 draw=self.move_rng.random(), policy=pol)
+                                 draw=self.move_rng.random(), policy=pol, ready=rdy)
             if t is None:
                 continue
             download = s.draw_download_s(self.move_rng)
@@ -281,6 +296,7 @@ class Simulation:
             self.set_rec(m, t, "joining")
             self.push(self.now + download, READY, m, (self.session[m], t))
             self.moves += self.now >= self.t0
+            self.urgent_moves += self.now >= self.t0 and rdy[t] < pol.urgent_below
 
     def round(self) -> None:
         s = self.s

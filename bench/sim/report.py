@@ -37,6 +37,7 @@ def summarize(sim: Simulation) -> dict:
         "generation_fail_no_holder": sim.gen_uncovered / len(sim.gen_ok) if sim.gen_ok else None,
         "moves": sim.moves,
         "moves_per_member_day": sim.moves / (s.members * s.days),
+        "urgent_moves": sim.urgent_moves,
         "joins": sim.joins,
         "timeline": {
             "hour": [round(per * (i + 0.5) / HOUR, 4) for i in range(len(bins))],
@@ -84,7 +85,7 @@ def pool(runs: list[dict]) -> dict:
         vals = [r[k] for r in runs]
         if k == "holders_min":
             out[k] = min(vals)
-        elif k in ("empty_episodes", "moves", "joins", "groups_failed_by_a_departure", "wall_s"):
+        elif k in ("empty_episodes", "moves", "urgent_moves", "joins", "groups_failed_by_a_departure", "wall_s"):
             out[k] = sum(vals)
         elif k == "empty_episode_mean_s":
             eps = [(r[k], r["empty_episodes"]) for r in runs if r[k] is not None]
@@ -146,8 +147,10 @@ def plot_simulation(res: dict, path: str | Path) -> Path:
         for ax in (a, b):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
+    s0 = next(iter(sc.values()))["settings"]
     fig.suptitle("bt-node bench simulate: block coverage under churn, join-only vs join + rebalancing "
-                 "(churn and timings assumed)", fontsize=9)
+                 f"(churn assumed; download median {s0['download_median_s']:g} s, round window "
+                 f"{s0['round_window_s']:g} s, hop failure {s0['hop_failure']:g})", fontsize=9)
     return save(plt, fig, path)
 
 

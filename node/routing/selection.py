@@ -15,14 +15,27 @@ The node moves from its block ``m`` to ``t`` only if all of these hold:
 1. it has held ``m`` for at least ``min_dwell_s`` (a node that just arrived or moved stays put);
 2. ``n[m] - n[t] >= min_surplus`` (default 2: a move then strictly lowers the spread, so the
    move cannot be undone by the same rule: with a surplus of 1 two nodes would swap forever);
-3. ``n[m] - 1 >= min_keep`` (default 2: the block it leaves keeps at least two holders, so the
-   rule never leaves a block without a holder, and never leaves one with only one);
+3. ``n[m] - 1 >= min_keep`` and ``r[m] - 1 >= min_keep`` (default 2: the block it leaves keeps at
+   least two live holders and two *ready* ones, ``r`` from :func:`ready_load`: online, not still
+   downloading; so the rule never leaves a block without a holder, nor with only one);
 4. ``draw < p`` where ``draw`` is the caller's uniform random number in [0, 1) and
    ``p = min(1, eagerness * deficit / donors)``: ``deficit = max(1, floor(mean n) - n[t])`` is
    how many holders ``t`` lacks, ``donors`` the holders of every block that passes 2 and 3
    against ``t``. Every donor checks once per period, so one period moves ``eagerness * deficit``
    nodes in expectation (default half the deficit), not every surplus holder at once (Petals
    staggers its servers' checks for the same reason).
+
+5. **Urgent** (checked first, no dwell): let ``u`` be the block with the fewest ready holders. If
+   ``r[u] < urgent_below`` (default 2: one ready holder, or none) and fewer than ``urgent_inflight``
+   (default 3) holders are on their way to it (``n[u] - r[u]``), a node whose block keeps two live
+   and two ready holders (rule 3) moves to ``u`` with probability ``eagerness * wanted / donors``
+   (``wanted = urgent_inflight - (n[u] - r[u])``, ``donors`` the ready holders of every such
+   block), or if rules 1-4 pick ``u`` anyway; while a block is urgent its rescuers make no ordinary
+   move elsewhere. A block at one ready holder empties if that holder leaves before a joiner has
+   finished downloading; the simulator found those to be most of the remaining empty episodes.
+   The rule cannot flap: it only takes from blocks that keep two ready holders, so it never makes
+   a block urgent. On one stale view shared by every node it overshoots more than rules 1-4
+   (``tests/test_selection.py``).
 
 Nodes that check one after another, each seeing the moves announced before it, converge without
 any node moving back to a block it left (``tests/test_selection.py``). Nodes deciding on one stale
@@ -45,7 +58,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 __all__ = [
-    "HolderRecord", "Holder", "RebalancePolicy", "block_load", "least_held", "choose_block",
+    "HolderRecord", "Holder", "RebalancePolicy", "block_load", "ready_load", "least_held", "choose_block",
     "rebalance_target", "choose_rebalance",
 ]
 
@@ -87,6 +100,8 @@ class RebalancePolicy:
     min_keep: int = 2           # holders my block keeps after I leave
     min_dwell_s: float = 600.0  # seconds I hold a block before I may leave it
     eagerness: float = 0.5      # expected fraction of the neediest block's deficit filled per period
+    urgent_below: int = 2       # a block with fewer ready holders than this is urgent (0: no urgent rule)
+    urgent_inflight: int = 3    # ... while fewer than this many holders are on their way to it
 
     def __post_init__(self) -> None:
         if self.min_surplus < 2:
@@ -95,31 +110,47 @@ class RebalancePolicy:
             raise ValueError(f"min_keep must be >= 1 (0 would let a node empty its block), got {self.min_keep}")
         if not self.min_dwell_s >= 0:
             raise ValueError(f"min_dwell_s must be >= 0, got {self.min_dwell_s}")
+        if self.urgent_below < 0 or self.urgent_inflight < 1:
+            raise ValueError(f"urgent_below must be >= 0 and urgent_inflight >= 1, got {self.urgent_below}, "
+                             f"{self.urgent_inflight}")
         if not 0 < self.eagerness <= 1:
             raise ValueError(f"eagerness must be in (0, 1], got {self.eagerness}")
 
 
-def block_load(holders: Mapping[int, Sequence[HolderRecord]], n_blocks: int) -> tuple[list[int], list[float]]:
-    """Live holders and their total throughput per block 0..n_blocks-1 (other blocks are ignored).
-
-    A peer with live announcements for several blocks, one of them ``joining``, is moving (or came
-    back on another block while its old record lives out its TTL): it counts only where it is
-    joining.
-    """
+def _counted(holders: Mapping[int, Sequence[HolderRecord]], n_blocks: int):
+    """(block, record) for every live record that counts: a peer with live announcements for several
+    blocks, one of them ``joining``, is moving (or came back on another block while its old record
+    lives out its TTL): it counts only where it is joining."""
     live: dict[str, list[tuple[int, HolderRecord]]] = {}
     for b, anns in holders.items():
         if 0 <= b < n_blocks:
             for a in anns:
                 if a.is_live:
                     live.setdefault(a.peer_id, []).append((b, a))
-    counts, tputs = [0] * n_blocks, [0.0] * n_blocks
     for recs in live.values():
         if len(recs) > 1 and any(a.state == "joining" for _, a in recs):
             recs = [(b, a) for b, a in recs if a.state == "joining"]
-        for b, a in recs:
-            counts[b] += 1
-            tputs[b] += a.throughput
+        yield from recs
+
+
+def block_load(holders: Mapping[int, Sequence[HolderRecord]], n_blocks: int) -> tuple[list[int], list[float]]:
+    """Live holders (joining or online) and their total throughput per block 0..n_blocks-1 (other
+    blocks are ignored); a mover counts only in the block it is joining (see :func:`_counted`)."""
+    counts, tputs = [0] * n_blocks, [0.0] * n_blocks
+    for b, a in _counted(holders, n_blocks):
+        counts[b] += 1
+        tputs[b] += a.throughput
     return counts, tputs
+
+
+def ready_load(holders: Mapping[int, Sequence[HolderRecord]], n_blocks: int) -> list[int]:
+    """Ready holders per block: the live holders of :func:`block_load` that are ``online`` (serving
+    it, not still downloading it). A mover is ready nowhere: it is joining its new block and about to
+    withdraw its old one."""
+    ready = [0] * n_blocks
+    for b, a in _counted(holders, n_blocks):
+        ready[b] += a.state == "online"
+    return ready
 
 
 def least_held(counts: Sequence[int], throughputs: Sequence[float]) -> int:
@@ -133,14 +164,40 @@ def choose_block(holders: Mapping[int, Sequence[HolderRecord]], n_blocks: int) -
 
 
 def rebalance_target(counts: Sequence[int], throughputs: Sequence[float], my_block: int, *,
-                     held_for_s: float, draw: float, policy: RebalancePolicy = RebalancePolicy()) -> int | None:
-    """The rebalancing rule on per-block live counts (``counts[my_block]`` includes this node).
+                     held_for_s: float, draw: float, policy: RebalancePolicy = RebalancePolicy(),
+                     ready: Sequence[int] | None = None) -> int | None:
+    """The rebalancing rule on per-block live counts (``counts[my_block]`` includes this node) and
+    ready counts (``ready``, :func:`ready_load`; None: every live holder is ready).
 
     Returns the block to move to, or None to stay. Pure: the same inputs give the same answer.
     """
     n = len(counts)
     if not 0 <= my_block < n:
         raise ValueError(f"my_block {my_block} is out of range for {n} blocks")
+    ready = counts if ready is None else ready
+    if len(ready) != n:
+        raise ValueError(f"ready has {len(ready)} blocks, counts {n}")
+
+    def keeps(c: int) -> bool:     # block c keeps min_keep live and min_keep ready holders without one of them
+        return counts[c] - 1 >= policy.min_keep and ready[c] - 1 >= policy.min_keep
+
+    ordinary = _ordinary_target(counts, throughputs, my_block, held_for_s, draw, policy, keeps)
+    u = min(range(n), key=lambda b: (ready[b], counts[b], throughputs[b], b))
+    if ready[u] < policy.urgent_below and counts[u] - ready[u] < policy.urgent_inflight:   # rule 5: urgent
+        def rescuer(c: int) -> bool:
+            return c != u and keeps(c) and ready[c] - ready[u] >= policy.min_surplus
+
+        if rescuer(my_block):   # a block in danger first: no ordinary move elsewhere meanwhile
+            donors = sum(ready[c] for c in range(n) if rescuer(c))
+            wanted = policy.urgent_inflight - (counts[u] - ready[u])
+            return u if ordinary == u or draw < min(1.0, policy.eagerness * wanted / donors) else None
+    return ordinary
+
+
+def _ordinary_target(counts: Sequence[int], throughputs: Sequence[float], my_block: int, held_for_s: float,
+                     draw: float, policy: RebalancePolicy, keeps) -> int | None:
+    """Rules 1-4 (the module docstring)."""
+    n = len(counts)
     if held_for_s < policy.min_dwell_s:
         return None
     t = least_held(counts, throughputs)
@@ -148,7 +205,7 @@ def rebalance_target(counts: Sequence[int], throughputs: Sequence[float], my_blo
         return None
 
     def donor(c: int) -> bool:
-        return c != t and counts[c] - counts[t] >= policy.min_surplus and counts[c] - 1 >= policy.min_keep
+        return c != t and counts[c] - counts[t] >= policy.min_surplus and keeps(c)
 
     if not donor(my_block):
         return None
@@ -169,6 +226,8 @@ def choose_rebalance(holders: Mapping[int, Sequence[HolderRecord]], n_blocks: in
     the view yet, it is counted anyway.
     """
     counts, tputs = block_load(holders, n_blocks)
+    ready = ready_load(holders, n_blocks)
     if not any(a.peer_id == my_peer_id and a.is_live for a in holders.get(my_block, [])):
         counts[my_block] += 1
-    return rebalance_target(counts, tputs, my_block, held_for_s=held_for_s, draw=draw, policy=policy)
+        ready[my_block] += 1
+    return rebalance_target(counts, tputs, my_block, held_for_s=held_for_s, draw=draw, policy=policy, ready=ready)
