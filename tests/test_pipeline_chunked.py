@@ -1,21 +1,17 @@
 """Issue 13's ``pipeline-chunked`` objective in one process (no network; the engine's gradients on
 real processes are in test_pipeline_grads.py): every byte of chunk c is predicted from the bytes
 before the chunk only (a proper factorized distribution, scored exactly), its clean stream is the
-``pipeline`` model's, n bytes take ceil(n / k) traversals one-sweep (n autoregressively), and its
-CE falls when the chain is trained with ``chain_step`` (LocalRun), the checkpoint loading as a model."""
+``pipeline`` model's, n bytes take ceil(n / k) traversals one-sweep (n autoregressively). Its CE
+falls when trained in LocalRun and its checkpoint loads: test_pipeline_objectives.py."""
 from __future__ import annotations
 
 import math
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
 from blocktrain.blocks.chain import CountingHop
-from blocktrain.blocks.data import DataSplit
-from blocktrain.blocks.local_run import LocalRun
-from blocktrain.blocks.model import load
 from blocktrain.blocks.objectives import get_objective
 
 from test_utils.configs import tiny_config
@@ -86,21 +82,3 @@ def test_n_bytes_take_ceil_n_over_k_traversals_one_sweep_and_n_autoregressively(
     ctx = torch.tensor([list(b"abcde") + [0] * (K - 1)])    # the chunk's queries at positions 4..7 (4 = k)
     first = obj.generate(hops, b"abcde", K, "one_sweep")
     assert list(first) == obj._last_logits(hops, ctx)[0, 4:4 + K].argmax(-1).tolist()
-
-
-def test_its_chain_trains_in_one_process_and_the_checkpoint_loads(tmp_path):
-    data = np.frombuffer(b"the cat sat on the mat; the dog sat on the log. " * 60, dtype=np.uint8)
-    cfg = tiny_config(objective="pipeline-chunked", chunk_len=K, lr=3e-3)
-    run = LocalRun(cfg, DataSplit(data, data, "test", "in-memory"), torch.device("cpu"), reference=False)
-    first = run.evaluate(n_windows=8)["chain_ce"]
-    for _ in range(40):
-        run.round()
-    res = run.evaluate(n_windows=8)
-    assert res["chain_ce"] < first - 2.5, (first, res["chain_ce"])   # 5.56 -> 2.34; the head alone: 3.94
-    run.save(tmp_path / "ck")
-    model = load(tmp_path / "ck", device="cpu")
-    w = torch.tensor([list(b"the cat sat on the mat; the dog sat on the log. ")[:cfg.seq_len + 1]])
-    assert model.score(bytes(w[0].tolist())) == pytest.approx(
-        run.objective.score(run.objective.local_hops(run.blocks), w).ce, abs=1e-5)
-    out = model.generate("the cat ", max_bytes=9)
-    assert out["bytes_generated"] == 9 and out["traversals"] == 3
