@@ -1,7 +1,9 @@
 """The pipeline engine against the single-process reference, on real node processes: four
-``bt-node`` processes hold one block each of a ``pipeline`` run; block 0's holder sends one fixed
-micro-batch through the chain in fp32 and then the same one in fp16 (each node's engine records,
-test side, its gradients: ``test_utils/pipeline_probe.py``).
+``bt-node`` processes hold one block each of a ``pipeline`` run (and, parametrized, of a
+``pipeline-chunked`` run: the engine carries any differentiable chain, here one whose state packs two
+streams, D = 2 d_model); block 0's holder sends one fixed micro-batch through the chain in fp32 and
+then the same one in fp16 (each node's engine records, test side, its gradients:
+``test_utils/pipeline_probe.py``).
 
 * fp32: the activation gradient each stage answers (dL/dh_b at every boundary) and every block's
   parameter gradients equal ``blocks.chain_train.chain_gradients`` on the same weights and batch,
@@ -14,6 +16,8 @@ test side, its gradients: ``test_utils/pipeline_probe.py``).
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -36,10 +40,9 @@ from test_utils.reliability import HERE, stop_swarm, wait_for
 
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(420)]
 
-RUN = "pipegrad"
-SETS = {"objective": "pipeline", "n_blocks": 4, "d_model": 32, "n_heads": 2, "layers_per_block": 1, "seq_len": 16,
-        "target_dim": 16, "batch_size": 2, "warmup_steps": 0}
-N, T, D = 2, 16, 32
+SETS = {"n_blocks": 4, "d_model": 32, "n_heads": 2, "layers_per_block": 1, "seq_len": 16,
+        "target_dim": 16, "batch_size": 2, "warmup_steps": 0, "chunk_len": 4}
+N, T = 2, 16
 
 
 class _Swarm:   # what stop_swarm needs
@@ -47,20 +50,36 @@ class _Swarm:   # what stop_swarm needs
         self.base, self.nodes = base, nodes
 
 
-@pytest.fixture(scope="module")
-def probed(tmp_path_factory):
-    base = tmp_path_factory.mktemp("pipegrad")
+@dataclass
+class Probed:
+    base: Path
+    nodes: dict[int, NodeProc]      # by block
+    windows: torch.Tensor
+    objective: str
+    run: str
+    d: int                          # the state's last axis (the objective's state_dim)
+
+    @property
+    def sets(self) -> dict:
+        return {**SETS, "objective": self.objective}
+
+
+@pytest.fixture(scope="module", params=["pipeline", "pipeline-chunked"])
+def probed(request, tmp_path_factory):
+    objective = request.param
+    run = f"pipegrad-{objective}"
+    base = tmp_path_factory.mktemp(run)
     windows = torch.randint(0, 256, (N, T + 1), generator=torch.Generator().manual_seed(11))
     torch.save(windows, base / "windows.pt")
-    sets = [x for k, v in SETS.items() for x in ("--set", f"{k}={v}")]
+    sets = [x for k, v in {**SETS, "objective": objective}.items() for x in ("--set", f"{k}={v}")]
     common = ["--data", str(TEST_CORPUS), "--device", "cpu", "--pipeline-accumulate", "4096",
               "--average-every", "1000000", "--average-period", "1e9"]
     nodes: list[NodeProc] = []
     sw = _Swarm(base, nodes)
     try:
         for b in (3, 2, 1, 0):   # block 0 last: its holder sends once the chain is complete
-            args = (["seed", "--run-id", RUN, *sets] if b == 3 else
-                    ["join", "--initial-peers", nodes[0].info["maddrs"][0], "--run-id", RUN])
+            args = (["seed", "--run-id", run, *sets] if b == 3 else
+                    ["join", "--initial-peers", nodes[0].info["maddrs"][0], "--run-id", run])
             n = NodeProc(f"b{b}", [*args, "--block", str(b), *common], base / f"b{b}", 0,   # 0: the node binds a port itself
                          entry=[sys.executable, str(HERE / "pipeline_probe.py")])
             n.env = {"BT_PROBE_DIR": str(base / f"probe{b}"), "BT_PROBE_CODECS": "fp32,fp16",
@@ -71,13 +90,14 @@ def probed(tmp_path_factory):
         by_block = {b: nodes[3 - b] for b in range(4)}
         wait_for(lambda: all((base / f"probe{b}" / "grads-1.pt").exists() for b in range(4)), 180,
                  "two micro-batches through every stage")
-        yield base, by_block, windows
+        d = get_objective(ModelConfig(**{**SETS, "objective": objective})).state_dim()
+        yield Probed(base, by_block, windows, objective, run, d)
     finally:
         stop_swarm(sw)
 
 
-def reference(windows):
-    cfg = ModelConfig(**SETS)
+def reference(probed: Probed):
+    cfg, windows = ModelConfig(**probed.sets), probed.windows
     obj = get_objective(cfg)
     blocks = [obj.build_block(b) for b in range(cfg.n_blocks)]   # the nodes' initial weights
     return blocks, chain_gradients(obj, blocks, windows)
@@ -88,8 +108,8 @@ def rel_err(a, b):
 
 
 def test_gradients_match_the_single_process_reference(probed):
-    base, _, windows = probed
-    blocks, ref = reference(windows)
+    base = probed.base
+    blocks, ref = reference(probed)
     for mb, codec in enumerate(("fp32", "fp16")):
         tol = dict(rtol=1e-4, atol=1e-7) if codec == "fp32" else None
         for b in range(4):
@@ -112,9 +132,9 @@ def test_gradients_match_the_single_process_reference(probed):
 
 
 def test_bytes_counted_are_the_tensors_sizes(probed):
-    _, nodes, _ = probed
+    nodes, d = probed.nodes, probed.d
     tr = {b: n.get("/v1/status")["self"]["pipeline"]["traffic"] for b, n in nodes.items()}
-    one = N * T * D * 4 + N * T * D * 2          # the fp32 micro-batch, then the fp16 one
+    one = N * T * d * 4 + N * T * d * 2          # the fp32 micro-batch, then the fp16 one
     for b in range(3):        # each sender: both micro-batches went out once, and their gradients came back
         assert tr[b]["calls_out"] == 2 and tr[b]["calls_out_failed"] == 0, tr[b]
         assert tr[b]["activation_bytes_sent"] == one and tr[b]["gradient_bytes_received"] == one, tr[b]
@@ -128,10 +148,10 @@ def test_bytes_counted_are_the_tensors_sizes(probed):
     assert metrics["received"] == 2 and metrics["sent"] == 2 and metrics["lost"] == 0
 
 
-async def _raw_call(p2p, peer, meta: dict, tensors: list) -> tuple[dict, list]:
+async def _raw_call(p2p, peer, run: str, meta: dict, tensors: list) -> tuple[dict, list]:
     async def parts():
         yield runtime_pb2.ExpertRequest(metadata=encode_meta(meta), tensors=tensors)
-    stub = PipelineService.get_stub(p2p, PeerID.from_base58(peer), namespace=train_namespace(RUN, 1))
+    stub = PipelineService.get_stub(p2p, PeerID.from_base58(peer), namespace=train_namespace(run, 1))
     first, rest = None, []
     async for msg in await stub.rpc_train(parts()):
         first = first or decode_meta(msg.metadata)
@@ -140,7 +160,7 @@ async def _raw_call(p2p, peer, meta: dict, tensors: list) -> tuple[dict, list]:
 
 
 def test_bad_activation_messages_are_refused_with_a_typed_error(probed):
-    _, nodes, _ = probed
+    nodes, D, run = probed.nodes, probed.d, probed.run
     target = nodes[1]
     meta = {"v": 1, "request_id": "raw", "block_index": 1, "mode": "backprop", "codec": "fp32", "deadline_s": 30.0}
     y = encode_tensor(torch.randint(0, 256, (N, T), dtype=torch.int64))
@@ -155,13 +175,13 @@ def test_bad_activation_messages_are_refused_with_a_typed_error(probed):
     try:
         p2p = loop.run(P2P.create(initial_peers=target.info["maddrs"]), timeout=60)
         for code, tensors in bad.items():
-            ans, got = loop.run(_raw_call(p2p, target.info["peer_id"], meta, tensors), timeout=60)
+            ans, got = loop.run(_raw_call(p2p, target.info["peer_id"], run, meta, tensors), timeout=60)
             assert ans["ok"] is False and ans["code"] == code and not got, (code, ans)
         # the node lives on, counted the refusals, and still trains a good message through blocks 1..3
         good = StageRequest(1, torch.randn(N, T, D), torch.randint(0, 256, (N, T)), "backprop", "fp16",
                             deadline_s=60.0, request_id="good")
         raw_meta, pbs, _, _ = request_message(good)
-        ans, got = loop.run(_raw_call(p2p, target.info["peer_id"], decode_meta(raw_meta), pbs), timeout=90)
+        ans, got = loop.run(_raw_call(p2p, target.info["peer_id"], run, decode_meta(raw_meta), pbs), timeout=90)
         assert ans["ok"] is True and len(ans["route"]) == 3 and got[0].dtype == "float16", ans
         assert list(got[0].size) == [N, T, D]
     finally:

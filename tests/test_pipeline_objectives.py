@@ -124,15 +124,18 @@ def test_forward_streamed_trains_each_block_on_its_detached_input_with_its_own_h
         torch.testing.assert_close(a, p.grad)
 
 
-@pytest.mark.parametrize("objective", ["pipeline", "forward-streamed"])
-def test_local_run_trains_a_chain_objective_and_its_checkpoint_loads(tmp_path, objective):
-    cfg = tiny_config(objective=objective, lr=3e-3)
+# pipeline-chunked: 5.56 -> 2.34 in 40 rounds; with only its head trained (no gradient into the
+# blocks) 3.94, so its bar is 2.5. It emits k = 4 bytes per traversal.
+@pytest.mark.parametrize("objective, drop, traversals", [("pipeline", 1.0, 6), ("forward-streamed", 1.0, 6),
+                                                        ("pipeline-chunked", 2.5, 2)])
+def test_local_run_trains_a_chain_objective_and_its_checkpoint_loads(tmp_path, objective, drop, traversals):
+    cfg = tiny_config(objective=objective, lr=3e-3, chunk_len=4)
     run = LocalRun(cfg, text_split(), torch.device("cpu"), reference=False)
     first = run.evaluate(n_windows=8)["chain_ce"]
     for _ in range(40):
         run.round()
     res = run.evaluate(n_windows=8)
-    assert res["chain_ce"] < first - 1.0, (first, res["chain_ce"])
+    assert res["chain_ce"] < first - drop, (first, res["chain_ce"])
     assert [tr.steps for tr in run.trainees] == [40] * cfg.n_blocks
     run.save(tmp_path / "ck")
     model = load(tmp_path / "ck", device="cpu")
@@ -140,4 +143,4 @@ def test_local_run_trains_a_chain_objective_and_its_checkpoint_loads(tmp_path, o
     assert model.score(bytes(w[0].tolist())) == pytest.approx(
         run.objective.score(run.objective.local_hops(run.blocks), w).ce, abs=1e-5)
     out = model.generate("the cat ", max_bytes=6)
-    assert out["bytes_generated"] == 6 and out["traversals"] == 6
+    assert out["bytes_generated"] == 6 and out["traversals"] == traversals

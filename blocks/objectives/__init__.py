@@ -1,5 +1,5 @@
-"""Registry of objectives: the block-local ones and the chain-trained ``pipeline`` and
-``forward-streamed``. ``get_objective(cfg)`` builds the one the config names."""
+"""Registry of objectives: the block-local ones and the chain-trained ``pipeline``,
+``pipeline-chunked`` and ``forward-streamed``. ``get_objective(cfg)`` builds the one the config names."""
 from __future__ import annotations
 
 from ..config import ConfigError, ModelConfig
@@ -11,6 +11,7 @@ from .forward_residual import ForwardResidualObjective
 from .forward_streamed import ForwardStreamedObjective
 from .paper import PaperObjective
 from .pipeline import PipelineObjective
+from .pipeline_chunked import PipelineChunkedObjective
 
 OBJECTIVES: dict[str, type[Objective]] = {
     PaperObjective.name: PaperObjective,
@@ -20,6 +21,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     ForwardResidualObjective.name: ForwardResidualObjective,
     PipelineObjective.name: PipelineObjective,
     ForwardStreamedObjective.name: ForwardStreamedObjective,
+    PipelineChunkedObjective.name: PipelineChunkedObjective,
 }
 
 DEFAULT_OBJECTIVE = "paper"
