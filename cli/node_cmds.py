@@ -208,12 +208,13 @@ _PIPELINE: contextvars.ContextVar[dict] = contextvars.ContextVar("bt_pipeline", 
 
 
 def pipeline_options(fn):
-    """--pipeline-inflight / -accumulate / -compression / -timeout for seed and join."""
+    """--pipeline-inflight / -accumulate / -compression / -timeout / -weight-stash for seed and join."""
     @functools.wraps(fn)
     def wrapper(*args, pipeline_inflight=4, pipeline_accumulate=1, pipeline_compression="fp32",
-                pipeline_timeout=60.0, **kwargs):
+                pipeline_timeout=60.0, pipeline_weight_stash=True, **kwargs):
         _PIPELINE.set({"pipeline_inflight": pipeline_inflight, "pipeline_accumulate": pipeline_accumulate,
-                       "pipeline_compression": pipeline_compression, "pipeline_timeout": pipeline_timeout})
+                       "pipeline_compression": pipeline_compression, "pipeline_timeout": pipeline_timeout,
+                       "pipeline_weight_stash": pipeline_weight_stash})
         return fn(*args, **kwargs)
     opts = [
         click.option("--pipeline-inflight", type=click.IntRange(1, 4096), default=4, show_default=True,
@@ -229,6 +230,10 @@ def pipeline_options(fn):
         click.option("--pipeline-timeout", type=click.FloatRange(1, 600), default=60.0, show_default=True,
                      help="pipeline and forward-streamed runs, block 0: seconds a micro-batch may take through "
                           "the chain and back before it is counted lost."),
+        click.option("--pipeline-weight-stash/--no-pipeline-weight-stash", default=True, show_default=True,
+                     help="pipeline runs: when this block's weights changed between a micro-batch's forward and "
+                          "its backward, run the backward on the weights the forward used (a copy is kept per "
+                          "version still needed: weight stashing); --no-...: on the current weights."),
     ]
     for o in reversed(opts):
         wrapper = o(wrapper)

@@ -44,6 +44,7 @@ class NodeOptions:
     pipeline_accumulate: int = 1               # micro-batches per optimizer step
     pipeline_compression: str = "fp32"         # fp32 | fp16 | 8bit: activations and gradients sent
     pipeline_timeout: float = 60.0             # seconds a micro-batch may take, block 0 and back
+    pipeline_weight_stash: bool = True         # backward on the weights its forward used (PipeDream)
     rebalance: bool = True                     # move to a needier block (node/rebalance.py); False pins the block
     rebalance_dwell: float = 600.0             # seconds a block is held before the node may leave it
     operator_token: bytes | None = field(default=None, init=False, repr=False)   # read once from the file

@@ -14,6 +14,7 @@ class PipelineSettings:
     timeout_s: float = 60.0      # one micro-batch's whole budget, from block 0 and back
     max_stash: int = 16          # micro-batches a stage holds between forward and backward (then: busy)
     retries: int = 2             # other holders of the next block tried after a failure
+    weight_stash: bool = True    # a backward after a weight change uses the weights its forward used (PipeDream)
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
