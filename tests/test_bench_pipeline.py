@@ -32,6 +32,10 @@ def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
     assert r["bytes_sent_total"] > 0 and r["bytes_sent_per_worker_per_step"] > 0
     assert r["peak_rss_mib_max"] > 50 and r["stalled_s_total"] >= 0
     assert all(w["pipeline_bytes_sent"] > 0 for w in r["workers"] if w["block"] == 0)
+    # weight stashing is the default: every recomputed backward ran on the weights its forward used
+    assert all(w["recomputed_stashed"] == w["recomputed"] for w in r["workers"])
+    assert all(w["peak_weight_stash_bytes"] > 0 for w in r["workers"] if w["block"] == 0)
+    assert r["config"]["objective"] == "pipeline" and "objective" not in res["config"]   # each arm says its own
     sv = r["serving"]
     assert sv["mode"] == "autoregressive" and sv["bytes"] == 4 and sv["traversals"] == 4   # one traversal per byte
     assert sv["latency_s"] >= sv["injected_delay_floor_s"] == pytest.approx(4 * 2 * 2 * 0.005)
@@ -82,9 +86,11 @@ def test_inflight_one_reaches_every_worker_no_stale_recompute(tmp_path):
     """--inflight 1: one micro-batch along the chain at a time, so no backward ever finds its block's
     weights moved since its forward (no recompute; one holder per block, so no averaging either)."""
     out = _run(["--tiny", "--objective", "pipeline", "--layout", "0,1", "--inflight", "1", "--no-references",
-                "--train-seconds", "6", "--data", str(TEST_CORPUS), "--workdir", str(tmp_path / "w"), "--json"])
+                "--no-serving", "--train-seconds", "6", "--data", str(TEST_CORPUS), "--workdir", str(tmp_path / "w"),
+                "--json"])
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     r = res["runs"]["pipeline"]
     assert res["settings"]["inflight"] == 1 and r["microbatches_completed"] > 5
     assert [w["recomputed"] for w in r["workers"]] == [0, 0]
+    assert r["serving"] is None and res["settings"]["serving"] is False   # --no-serving: no second network
