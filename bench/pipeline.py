@@ -186,6 +186,7 @@ class _Network:
                 "stalled_s": pipe.get("stalled_s"), "lost": pipe.get("lost"), "completed": pipe.get("completed"),
                 "failed_calls": pipe.get("failed_calls"), "recomputed": pipe.get("recomputed"),
                 "recomputed_stashed": pipe.get("recomputed_stashed"), "lost_by_reason": pipe.get("lost_by_reason"),
+                "failed_downstream": pipe.get("failed_downstream"), "routed_unannounced": pipe.get("routed_unannounced"),
                 "peak_weight_stash_bytes": pipe.get("peak_weight_stash_bytes"),
                 "ckpt": str(nd.workdir / "ckpt"),
             })

@@ -45,13 +45,15 @@ class PipelineStats:
     gradient came back, or streamed: the chain answered), ``lost`` (dropped, by reason). As a stage:
     ``received`` calls served, ``refused_busy``, ``failed_downstream``. Both: ``sent`` onward calls
     that were answered, ``failed_calls`` (a holder failed or timed out), ``retried`` (another holder
-    was asked after a failure), ``busy`` answers met, ``recomputed`` backwards (the weights had
+    was asked after a failure), ``routed_unannounced`` (a holder picked from those that answered
+    recently, absent from the DHT read), ``busy`` answers met, ``recomputed`` backwards (the weights had
     changed since the forward; ``recomputed_stashed``: of those, on the stashed weights the forward used),
     ``steps`` optimizer steps taken; ``peak_weight_stash_bytes``: the most bytes of weight copies alive
     at once (weight stashing)."""
 
     KEYS = ("started", "completed", "received", "answered", "refused_busy", "failed_downstream", "sent",
-            "failed_calls", "retried", "busy", "recomputed", "recomputed_stashed", "steps", "microbatches_accumulated")
+            "failed_calls", "retried", "busy", "recomputed", "recomputed_stashed", "routed_unannounced", "steps",
+            "microbatches_accumulated")
 
     def __init__(self):
         self._lock = threading.Lock()
