@@ -74,6 +74,7 @@ class PipelineBenchSettings:
     compression: str = "fp32"       # --pipeline-compression of every worker
     inflight: int = 4
     weight_stash: bool = True       # --pipeline-weight-stash of every worker
+    flush: bool = False             # --pipeline-flush, and --pipeline-accumulate = inflight, on every worker
     data: str = "auto"
     device: str = "cpu"             # --device of every worker and of the references (cuda: bf16 autocast)
     references: bool = True         # train the whole-size and one-block references (issue 13)
@@ -130,6 +131,8 @@ class _Network:
         extra = ["--device", s.device, "--average-every", str(s.average_every), "--checkpoint-every", str(10**9),
                  "--pipeline-inflight", str(s.inflight), "--pipeline-compression", s.compression,
                  "--pipeline-weight-stash" if s.weight_stash else "--no-pipeline-weight-stash"]
+        if s.flush:
+            extra += ["--pipeline-flush", "--pipeline-accumulate", str(s.inflight)]
         self.swarm = LocalSwarm(self.base, run_id=f"bench-{_slug(objective)}", overrides=self.sets, data=data_used,
                                 extra_args=extra)
         self.order = sorted(range(len(s.plan)), key=lambda i: -s.plan[i])   # workers, highest block first

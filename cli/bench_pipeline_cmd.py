@@ -68,11 +68,13 @@ def pipeline_table(res: dict) -> Table:
 @click.option("--weight-stash/--no-weight-stash", default=True, show_default=True,
               help="--pipeline-weight-stash of every worker (pipeline: a backward after a weight change uses "
                    "the weights its forward used).")
+@click.option("--flush", is_flag=True, help="--pipeline-flush and --pipeline-accumulate = --inflight on every worker "
+                                            "(GPipe: one step per window of in-flight micro-batches, none stale).")
 @click.option("--plan", "plan_only", is_flag=True, help="Print the preset's planned wall time and exit.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight, gen_bytes, delay_ms, eval_windows, overrides, data, plot,
-                       record, workdir, preset, tiny, device, no_references, no_serving, weight_stash, plan_only,
+                       record, workdir, preset, tiny, device, no_references, no_serving, weight_stash, flush, plan_only,
                        as_json):
     """pipeline and forward-streamed vs paper: real node processes, the same wall time each.
 
@@ -101,6 +103,7 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight,
     s.references = not no_references
     s.serving = not no_serving
     s.weight_stash = weight_stash
+    s.flush = flush
     s.overrides += list(overrides)
     s.data = data
     for name, v in (("train_s", train_seconds), ("compression", compression), ("gen_bytes", gen_bytes),

@@ -211,10 +211,10 @@ def pipeline_options(fn):
     """--pipeline-inflight / -accumulate / -compression / -timeout / -weight-stash for seed and join."""
     @functools.wraps(fn)
     def wrapper(*args, pipeline_inflight=4, pipeline_accumulate=1, pipeline_compression="fp32",
-                pipeline_timeout=60.0, pipeline_weight_stash=True, **kwargs):
+                pipeline_timeout=60.0, pipeline_weight_stash=True, pipeline_flush=False, **kwargs):
         _PIPELINE.set({"pipeline_inflight": pipeline_inflight, "pipeline_accumulate": pipeline_accumulate,
                        "pipeline_compression": pipeline_compression, "pipeline_timeout": pipeline_timeout,
-                       "pipeline_weight_stash": pipeline_weight_stash})
+                       "pipeline_weight_stash": pipeline_weight_stash, "pipeline_flush": pipeline_flush})
         return fn(*args, **kwargs)
     opts = [
         click.option("--pipeline-inflight", type=click.IntRange(1, 4096), default=4, show_default=True,
@@ -234,6 +234,10 @@ def pipeline_options(fn):
                      help="pipeline runs: when this block's weights changed between a micro-batch's forward and "
                           "its backward, run the backward on the weights the forward used (a copy is kept per "
                           "version still needed: weight stashing); --no-...: on the current weights."),
+        click.option("--pipeline-flush", is_flag=True,
+                     help="pipeline runs, holders of block 0: send --pipeline-inflight micro-batches together and "
+                          "wait for all of them before the next (GPipe); with --pipeline-accumulate equal to "
+                          "--pipeline-inflight on every holder, no backward meets weights newer than its forward's."),
     ]
     for o in reversed(opts):
         wrapper = o(wrapper)

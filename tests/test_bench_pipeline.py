@@ -82,15 +82,20 @@ def test_h200_preset_runs_at_tiny_size_on_cpu(tmp_path):
     assert res["references"]["whole"]["ce"] < math.log(256) - 0.3 and r["serving"]["traversals"] == 4
 
 
-def test_inflight_one_reaches_every_worker_no_stale_recompute(tmp_path):
-    """--inflight 1: one micro-batch along the chain at a time, so no backward ever finds its block's
-    weights moved since its forward (no recompute; one holder per block, so no averaging either)."""
-    out = _run(["--tiny", "--objective", "pipeline", "--layout", "0,1", "--inflight", "1", "--no-references",
+@pytest.mark.parametrize("flags", [["--inflight", "1"], ["--inflight", "3", "--flush"]], ids=["inflight1", "flush"])
+def test_no_stale_recompute_with_one_in_flight_or_a_flush(tmp_path, flags):
+    """--inflight 1: one micro-batch along the chain at a time; --flush: windows of 3 micro-batches, one
+    step per window on every holder (GPipe). Either way no backward ever finds its block's weights moved
+    since its forward (no recompute; one holder per block, so no averaging either)."""
+    out = _run(["--tiny", "--objective", "pipeline", "--layout", "0,1", *flags, "--no-references",
                 "--no-serving", "--train-seconds", "6", "--data", str(TEST_CORPUS), "--workdir", str(tmp_path / "w"),
                 "--json"])
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     r = res["runs"]["pipeline"]
-    assert res["settings"]["inflight"] == 1 and r["microbatches_completed"] > 5
+    assert res["settings"]["inflight"] == int(flags[1]) and r["microbatches_completed"] > 5
     assert [w["recomputed"] for w in r["workers"]] == [0, 0]
+    if "--flush" in flags:   # one optimizer step per window of 3 micro-batches
+        b0 = [w for w in r["workers"] if w["block"] == 0][0]
+        assert b0["windows"] == 3 * 4 * b0["steps"] and b0["steps"] > 0
     assert r["serving"] is None and res["settings"]["serving"] is False   # --no-serving: no second network

@@ -289,6 +289,9 @@ class PipelineEngine:
                 self._starved = False
                 stop.wait(0.5 if self.idle() else 1.0)
                 continue
+            if self.settings.flush:
+                self._window(stop)
+                continue
             t0 = time.monotonic()
             while not slots.acquire(timeout=0.5):
                 if stop.is_set():
@@ -302,13 +305,30 @@ class PipelineEngine:
                 return
             fut.add_done_callback(lambda _f: slots.release())
 
+    def _window(self, stop: threading.Event) -> None:
+        """GPipe-style flush: ``inflight`` micro-batches sent together, all finished (or lost) before the
+        next window; with ``accumulate`` == ``inflight`` on every holder of a single chain each block steps
+        once per window, after its last backward, so no forward ever runs on weights older than its
+        backward's. Bounded: each micro-batch is bounded by ``timeout_s``."""
+        t, futs = self.trainer, []
+        for _ in range(self.settings.inflight):
+            try:
+                futs.append(self.loop.submit(self._microbatch(t.sampler.next_batch(t.cfg.batch_size))))
+            except RuntimeError:   # the event loop is gone: the node is stopping
+                break
+        t0 = time.monotonic()
+        pending = set(futs)
+        while pending and not stop.is_set():
+            _, pending = concurrent.futures.wait(pending, timeout=0.5)
+        self.stats.waited(time.monotonic() - t0)
+
     # -- reporting and teardown ----------------------------------------------------------------------
     def status(self) -> dict:
         s = self.settings
         return {"mode": self.mode, "block": self.b, "last": self.last, "held_now": self._held,
                 "settings": {"inflight": s.inflight, "accumulate": s.accumulate, "compression": s.codec,
                              "timeout_s": s.timeout_s, "max_stash": s.max_stash, "retries": s.retries,
-                             "weight_stash": s.weight_stash},
+                             "weight_stash": s.weight_stash, "flush": s.flush},
                 **self.stats.snapshot(), "traffic": self.traffic.snapshot()}
 
     def close(self) -> None:

@@ -15,6 +15,8 @@ class PipelineSettings:
     max_stash: int = 16          # micro-batches a stage holds between forward and backward (then: busy)
     retries: int = 2             # other holders of the next block tried after a failure
     weight_stash: bool = True    # a backward after a weight change uses the weights its forward used (PipeDream)
+    flush: bool = False          # block 0: windows of `inflight` micro-batches, each finished before the next
+                                 # (GPipe; with accumulate == inflight on every holder: no stale weights)
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
