@@ -72,8 +72,8 @@ class PipelineBenchSettings:
     delay_ms: float = 25.0
     average_every: int = 10
     compression: str = "fp32"       # --pipeline-compression of every worker
-    inflight: int = 4
-    weight_stash: bool = True       # --pipeline-weight-stash of every worker
+    inflight: int = 1               # --pipeline-inflight of every worker (the node's default)
+    weight_stash: bool = False      # --pipeline-weight-stash of every worker (the node's default)
     flush: bool = False             # --pipeline-flush, and --pipeline-accumulate = inflight, on every worker
     data: str = "auto"
     device: str = "cpu"             # --device of every worker and of the references (cuda: bf16 autocast)

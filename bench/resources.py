@@ -375,7 +375,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, block_index: int = 0,
                  timeout: float = 900.0, threads: int | None = None, glibc_mmap: bool = False,
-                 inflight: int = 4) -> dict:
+                 inflight: int = 1) -> dict:
     """Peak training memory of one block vs the full-depth reference, each in a fresh process."""
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")

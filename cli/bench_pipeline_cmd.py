@@ -43,7 +43,7 @@ def pipeline_table(res: dict) -> Table:
 @click.option("--compression", type=click.Choice(["fp32", "fp16", "8bit"]), default=None,
               help="--pipeline-compression of every worker (default fp32).")
 @click.option("--inflight", type=click.IntRange(1, 4096), default=None,
-              help="--pipeline-inflight of every worker: micro-batches in flight along the chain (default 4; "
+              help="--pipeline-inflight of every worker: micro-batches in flight along the chain (default 1; "
                    "--preset h200: 8). 1: no stale weights.")
 @click.option("--gen-bytes", type=click.IntRange(1, 1024), default=None, help="Bytes generated for the serving cost "
                                                                               "(default 256; --tiny 4).")
@@ -65,7 +65,7 @@ def pipeline_table(res: dict) -> Table:
                                              "(default: cpu; --preset h200: cuda).")
 @click.option("--no-references", is_flag=True, help="Skip the whole-size and one-block reference models.")
 @click.option("--no-serving", is_flag=True, help="Skip the serving cost (saves one network start-up per objective).")
-@click.option("--weight-stash/--no-weight-stash", default=True, show_default=True,
+@click.option("--weight-stash/--no-weight-stash", default=False, show_default=True,
               help="--pipeline-weight-stash of every worker (pipeline: a backward after a weight change uses "
                    "the weights its forward used).")
 @click.option("--flush", is_flag=True, help="--pipeline-flush and --pipeline-accumulate = --inflight on every worker "

@@ -103,7 +103,7 @@ def throughput_table(res: dict) -> Table:
 @click.option("--glibc-mmap", is_flag=True,
               help="CPU: measure again with MALLOC_MMAP_THRESHOLD_=65536, so RSS tracks live tensors "
                    "rather than glibc's caching of freed memory.")
-@click.option("--inflight", type=click.IntRange(1, 4096), default=4, show_default=True,
+@click.option("--inflight", type=click.IntRange(1, 4096), default=1, show_default=True,
               help="pipeline / forward-streamed blocks: micro-batches in flight (a pipeline block before the last "
                    "holds their graphs and, with weight stashing, a weight copy each).")
 @click.option("--tiny", is_flag=True, help="A tiny shape (B=4, 2 layers, d=64, batch 8x64, 1 thread), well under a minute.")

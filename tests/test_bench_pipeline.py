@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(600)]
 def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "blocktrain.cli.main", "bench", "pipeline", "--tiny", "--objective", "pipeline",
-         "--data", str(TEST_CORPUS), "--workdir", str(tmp_path / "w"), "--json"],
+         "--inflight", "3", "--weight-stash", "--data", str(TEST_CORPUS), "--workdir", str(tmp_path / "w"), "--json"],
         capture_output=True, text=True, timeout=540, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
@@ -32,7 +32,7 @@ def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
     assert r["bytes_sent_total"] > 0 and r["bytes_sent_per_worker_per_step"] > 0
     assert r["peak_rss_mib_max"] > 50 and r["stalled_s_total"] >= 0
     assert all(w["pipeline_bytes_sent"] > 0 for w in r["workers"] if w["block"] == 0)
-    # weight stashing is the default: every recomputed backward ran on the weights its forward used
+    # with --weight-stash every recomputed backward ran on the weights its forward used
     assert all(w["recomputed_stashed"] == w["recomputed"] for w in r["workers"])
     assert all(w["peak_weight_stash_bytes"] > 0 for w in r["workers"] if w["block"] == 0)
     assert r["config"]["objective"] == "pipeline" and "objective" not in res["config"]   # each arm says its own

@@ -20,13 +20,14 @@ Compute runs in one thread per worker, under the trainer's lock; network waits n
 forward's graph is kept until its backward. When the weights changed meanwhile (an optimizer step
 or an accepted averaging round: ``trainer.weights_version``) that graph is invalid (the optimizer
 wrote the weights in place), and the backward recomputes the forward from the stashed input first
-(hivemind ``ModuleBackend``-style). With ``weight_stash`` (the default) it recomputes it with the
+(hivemind ``ModuleBackend``-style). With ``weight_stash`` (off by default: measured no better at
+equal tokens, BENCHMARKS.md "Training along the chain") it recomputes it with the
 weights the forward used (PipeDream's weight stashing): the engine keeps one copy of the weights per
 version that a held micro-batch still needs, so the gradient dL/dh_b that came back (computed
 downstream on the h_b this stage sent) is backpropagated through the function that produced that
 h_b, and the parameter gradient is added to the block's live gradients. Without it the recompute
-uses the current weights: the gradient is then that of a different h_b than the one sent (measured
-+0.305 nats/byte worse than the whole-size model with 4 micro-batches in flight, BENCHMARKS.md).
+uses the current weights: the gradient is then that of a different h_b than the one sent. Both are
+delayed gradients; the default (``inflight`` 1) has none.
 Memory: a stage holds at most ``max_stash`` micro-batches between forward and backward and answers
 ``busy`` beyond that; a block-0 holder at most ``inflight``; weight copies at most one per held
 micro-batch (shared by those of one version; :meth:`stash_bytes` reports them). Faults: every call
