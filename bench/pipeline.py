@@ -72,10 +72,13 @@ class PipelineBenchSettings:
     delay_ms: float = 25.0
     average_every: int = 10
     compression: str = "fp32"       # --pipeline-compression of every worker
-    inflight: int = 4
+    inflight: int = 1               # --pipeline-inflight of every worker (the node's default)
+    weight_stash: bool = False      # --pipeline-weight-stash of every worker (the node's default)
+    flush: bool = False             # --pipeline-flush, and --pipeline-accumulate = inflight, on every worker
     data: str = "auto"
     device: str = "cpu"             # --device of every worker and of the references (cuda: bf16 autocast)
     references: bool = True         # train the whole-size and one-block references (issue 13)
+    serving: bool = True            # measure each objective's serving cost (a second network per objective)
     preset: str = "cpu"
 
     @classmethod
@@ -126,7 +129,10 @@ class _Network:
         self.sets = [*s.overrides, f"objective={objective}"]
         self.cfg = ModelConfig.from_dict(typed_settings(self.sets), source="bench pipeline config")
         extra = ["--device", s.device, "--average-every", str(s.average_every), "--checkpoint-every", str(10**9),
-                 "--pipeline-inflight", str(s.inflight), "--pipeline-compression", s.compression]
+                 "--pipeline-inflight", str(s.inflight), "--pipeline-compression", s.compression,
+                 "--pipeline-weight-stash" if s.weight_stash else "--no-pipeline-weight-stash"]
+        if s.flush:
+            extra += ["--pipeline-flush", "--pipeline-accumulate", str(s.inflight)]
         self.swarm = LocalSwarm(self.base, run_id=f"bench-{_slug(objective)}", overrides=self.sets, data=data_used,
                                 extra_args=extra)
         self.order = sorted(range(len(s.plan)), key=lambda i: -s.plan[i])   # workers, highest block first
@@ -182,13 +188,17 @@ class _Network:
                 "averaging_rounds_ok": st["averaging"]["succeeded"], "peak_rss_mib": rss,
                 "stalled_s": pipe.get("stalled_s"), "lost": pipe.get("lost"), "completed": pipe.get("completed"),
                 "failed_calls": pipe.get("failed_calls"), "recomputed": pipe.get("recomputed"),
+                "recomputed_stashed": pipe.get("recomputed_stashed"), "lost_by_reason": pipe.get("lost_by_reason"),
+                "failed_downstream": pipe.get("failed_downstream"), "routed_unannounced": pipe.get("routed_unannounced"),
+                "peak_weight_stash_bytes": pipe.get("peak_weight_stash_bytes"),
                 "ckpt": str(nd.workdir / "ckpt"),
             })
         per_block = {b: sum(w["tokens"] for w in workers if w["block"] == b) / seconds
                      for b in range(self.cfg.n_blocks)}
         total = sum(w["bytes_sent"] for w in workers)
         steps = sum(w["steps"] for w in workers)
-        return {"objective": self.objective, "workers": workers, "train_wall_s": round(seconds, 1),
+        return {"objective": self.objective, "config": self.cfg.to_dict(), "workers": workers,
+                "train_wall_s": round(seconds, 1),
                 "tokens_per_s_by_block": per_block, "tokens_per_s": min(per_block.values()),
                 "windows_block0": sum(w["windows"] for w in workers if w["block"] == 0),
                 "bytes_sent_total": total, "bytes_sent_per_worker_per_step": total / steps if steps else None,
@@ -280,16 +290,20 @@ def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
             first = {}
             for w in r["workers"]:
                 first.setdefault(w["block"], w["ckpt"])
-            say(f"{name}: chain CE {r['chain_ce']:.4f} (untrained {ce_init:.4f}); serving {s.gen_bytes} bytes")
-            r["serving"] = _serve(cfg, net.sets, [first[b] for b in range(cfg.n_blocks)], s,
-                                  base / f"serve-{_slug(name)}", data_used, prompt)
-            say(f"{name}: {r['serving']['traversals']} traversals, {r['serving']['latency_s']:.2f}s")
+            say(f"{name}: chain CE {r['chain_ce']:.4f} (untrained {ce_init:.4f})")
+            r["serving"] = None
+            if s.serving:
+                say(f"{name}: serving {s.gen_bytes} bytes")
+                r["serving"] = _serve(cfg, net.sets, [first[b] for b in range(cfg.n_blocks)], s,
+                                      base / f"serve-{_slug(name)}", data_used, prompt)
+                say(f"{name}: {r['serving']['traversals']} traversals, {r['serving']['latency_s']:.2f}s")
             runs[name] = r
         refs = _references(s, base_cfg, data_used, windows, runs, say) if s.references else {}
     finally:
         if own_dir:
             shutil.rmtree(base, ignore_errors=True)
-    return {"bench": "pipeline", "protocol": split.protocol, "data": data_used, "config": base_cfg.to_dict(),
+    shared = {k: v for k, v in base_cfg.to_dict().items() if k != "objective"}   # each run's own: runs[o]["config"]
+    return {"bench": "pipeline", "protocol": split.protocol, "data": data_used, "config": shared,
             "settings": asdict(s), "ln256": math.log(256), "runs": runs, "references": refs, "seconds": round(time.time() - t_start, 1),
             "method": ("equal wall time per objective from the moment all workers are up; chain CE offline from the "
                        "workers' final checkpoints on the same held-out windows, mean over replica chains; tokens/s: "
@@ -321,7 +335,8 @@ def plan_seconds(s: PipelineBenchSettings) -> dict:
     per = {}
     for o in s.objectives:
         trav = 1 if o == "paper" else s.gen_bytes + 1
-        per[o] = STARTUP_S + s.train_s + SCORE_S + STARTUP_S + trav * cfg.n_blocks * 2 * s.delay_ms / 1000
+        serve = STARTUP_S + trav * cfg.n_blocks * 2 * s.delay_ms / 1000 if s.serving else 0.0
+        per[o] = STARTUP_S + s.train_s + SCORE_S + serve
     refs = 2 * (s.train_s + SCORE_S) if s.references else 0.0
     return {"per_objective_s": per, "references_s": refs, "total_s": sum(per.values()) + refs}
 
@@ -336,6 +351,8 @@ def plot_pipeline(res: dict, path: str | Path) -> Path:
               ("KB sent per worker per step", lambda r: (r["bytes_sent_per_worker_per_step"] or 0) / 1e3),
               (f"serving s, {res['settings']['gen_bytes']} bytes at {res['settings']['delay_ms']:g} ms/hop",
                lambda r: r["serving"]["latency_s"])]
+    if not res["settings"].get("serving", True):   # not measured: the workers' peak memory instead
+        panels[-1] = ("peak RSS per worker, MiB (max)", lambda r: r["peak_rss_mib_max"])
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.6))
     for ax, (title, get) in zip(axes, panels):
         ax.bar(names, [get(res["runs"][n]) for n in names], color=[f"C{i}" for i in range(len(names))])

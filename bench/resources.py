@@ -24,6 +24,15 @@ measuring child below, and a third of the file is this description of the method
 
     The ratio block/reference is given for each.
 
+    A block of a chain-trained objective (``pipeline``, ``forward-streamed``) has no loss alone; its
+    step is measured as the pipeline engine runs it on a worker (node/pipeline/engine.py) at
+    ``--inflight`` K micro-batches in flight: a ``pipeline`` block before the last runs K forwards
+    on random input states (block 0: random bytes) keeping their graphs, each with a copy of the
+    block's weights (weight stashing: the worst case, one version per held micro-batch), then the K
+    backwards from random dL/dh_b, then one clipped AdamW step on the mean; the last block and
+    ``forward-streamed`` blocks compute their loss and backward at once (nothing held), K times.
+    The stash (graphs + weight copies) is thus inside the measured step's live-tensor peak.
+
 ``bench throughput``
     One block step (its local objective's loss, backward, clip, AdamW) and one reference step
     (next-byte CE, same batch) are timed in the SAME process, interleaved (block, reference,
@@ -121,7 +130,7 @@ class _Trainee:
     """One module with its optimizer and a ready-made step on a fixed synthetic batch."""
 
     def __init__(self, which: str, cfg: ModelConfig, device: torch.device, block_index: int = 0,
-                 seed: int = 0):
+                 seed: int = 0, inflight: int = 4):
         if which not in ("block", "reference"):
             raise ValueError(f"unknown module {which!r}: use block or reference")
         if not 0 <= block_index < cfg.n_blocks:
@@ -138,6 +147,8 @@ class _Trainee:
             self.tokens_per_window = self.objective.train_tokens_per_window
             gen = torch.Generator().manual_seed(seed + 1)
             self.loss_fn = lambda: self.objective.local_loss(self.module, block_index, self.windows, gen)
+            self.chain = not self.objective.block_local   # trained along the chain: see _chain_step
+            self.block_index, self.inflight = block_index, inflight
         else:
             self.module = ReferenceLM(cfg).to(device)
             self.layers = cfg.reference_layers
@@ -147,11 +158,48 @@ class _Trainee:
         self.steps = 0
 
     def step(self) -> dict:
-        out = optimizer_step(self.module, self.opt, self.cfg, self.steps, self.loss_fn)
+        if getattr(self, "chain", False):
+            out = self._chain_step()
+        else:
+            out = optimizer_step(self.module, self.opt, self.cfg, self.steps, self.loss_fn)
         self.steps += 1
         return out
 
+    def _chain_step(self) -> dict:
+        """One step of a chain-trained block as a worker's pipeline engine runs it (see the module doc)."""
+        obj, m, b, cfg, dev = self.objective, self.module, self.block_index, self.cfg, self.device
+        ctx, y = self.windows[:, :-1], self.windows[:, 1:]
+        g = torch.Generator().manual_seed(self.steps)
+        shape = (ctx.shape[0], ctx.shape[1], obj.state_dim())
+        m.train()
+        for grp in self.opt.param_groups:
+            grp["lr"] = cfg.lr
+        self.opt.zero_grad(set_to_none=True)
+        held = obj.chain_training == "backprop" and b < cfg.n_blocks - 1
+        losses, stash = [], []
+        for _ in range(self.inflight):
+            x = None if b == 0 else torch.randn(shape, generator=g).to(dev).requires_grad_(True)
+            h = obj.stage_forward(m, b, x, ctx if b == 0 else None)
+            if held:   # the graph and a copy of the weights stay until the gradient comes back
+                stash.append((h, {k: v.detach().clone() for k, v in m.state_dict().items()}))
+            else:
+                loss, _ = obj.stage_loss(m, b, h, y)
+                loss.backward()
+                losses.append(float(loss.detach()))
+        for h, _weights in stash:
+            h.backward(torch.randn(shape, generator=g).to(dev))
+        del stash
+        for p in m.parameters():
+            if p.grad is not None:
+                p.grad.div_(self.inflight)
+        gnorm = torch.nn.utils.clip_grad_norm_(m.parameters(), cfg.grad_clip)
+        self.opt.step()
+        return {"loss": sum(losses) / len(losses) if losses else 0.0, "grad_norm": float(gnorm)}
+
     def describe(self) -> dict:
+        if getattr(self, "chain", False):
+            return {"layers": self.layers, "params": _n_params(self.module), "inflight": self.inflight,
+                    "chain_training": self.objective.chain_training}
         return {"layers": self.layers, "params": _n_params(self.module),
                 "flops_per_step": train_flops_per_step(self.module, self.cfg.batch_size, self.tokens_per_window)}
 
@@ -189,7 +237,7 @@ def _config_summary(cfg: ModelConfig) -> dict:
 
 # -- memory: the child process ----------------------------------------------------------------
 def measure_memory_here(cfg: ModelConfig, which: str, *, steps: int, device: torch.device,
-                        block_index: int = 0) -> dict:
+                        block_index: int = 0, inflight: int = 4) -> dict:
     """Run in a fresh process: baseline RSS, build, train ``steps`` steps, peak RSS (and CUDA peak)."""
     gc.collect()
     after_import = _rss_now_bytes()
@@ -205,7 +253,7 @@ def measure_memory_here(cfg: ModelConfig, which: str, *, steps: int, device: tor
     if device.type == "cuda":
         torch.cuda.init()
         torch.cuda.reset_peak_memory_stats(device)
-    tr = _Trainee(which, cfg, device, block_index)
+    tr = _Trainee(which, cfg, device, block_index, inflight=inflight)
     after_build = _rss_now_bytes()
     losses = []
     t0 = time.perf_counter()
@@ -264,17 +312,17 @@ def live_tensor_peak(tr: "_Trainee") -> dict:
 
 
 def _child_cmd(cfg: ModelConfig, which: str, *, steps: int, device: torch.device, block_index: int,
-               threads: int | None) -> list[str]:
+               threads: int | None, inflight: int = 4) -> list[str]:
     cmd = [sys.executable, "-m", "blocktrain.bench.resources", "--measure", which,
            "--config-json", cfg.to_json(), "--steps", str(steps), "--device", device.type,
-           "--block", str(block_index)]
+           "--block", str(block_index), "--inflight", str(inflight)]
     if threads is not None:
         cmd += ["--threads", str(threads)]
     return cmd
 
 
 def _measure_in_subprocesses(cfg: ModelConfig, *, steps: int, device: torch.device, block_index: int,
-                             timeout: float, threads: int | None,
+                             timeout: float, threads: int | None, inflight: int = 4,
                              env: dict[str, str] | None = None) -> dict[str, dict]:
     """Block and reference, each in its own fresh process, one after the other, so neither competes
     with the other for cores or memory bandwidth while it is measured."""
@@ -284,7 +332,8 @@ def _measure_in_subprocesses(cfg: ModelConfig, *, steps: int, device: torch.devi
 
     def start(which: str) -> None:
         procs[which] = subprocess.Popen(
-            _child_cmd(cfg, which, steps=steps, device=device, block_index=block_index, threads=threads),
+            _child_cmd(cfg, which, steps=steps, device=device, block_index=block_index, threads=threads,
+                       inflight=inflight),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
     def finish(which: str) -> None:
@@ -325,7 +374,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, block_index: int = 0,
-                 timeout: float = 900.0, threads: int | None = None, glibc_mmap: bool = False) -> dict:
+                 timeout: float = 900.0, threads: int | None = None, glibc_mmap: bool = False,
+                 inflight: int = 1) -> dict:
     """Peak training memory of one block vs the full-depth reference, each in a fresh process."""
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
@@ -333,9 +383,16 @@ def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, bloc
         raise ValueError(f"--threads must be >= 1, got {threads}")
     if not 0 <= block_index < cfg.n_blocks:
         raise ValueError(f"--block {block_index} out of range [0, {cfg.n_blocks})")
+    if not 1 <= inflight <= 4096:
+        raise ValueError(f"--inflight must be in [1, 4096], got {inflight}")
     m = _measure_in_subprocesses(cfg, steps=steps, device=device, block_index=block_index, timeout=timeout,
-                                 threads=threads)
+                                 threads=threads, inflight=inflight)
     block, ref = m["block"], m["reference"]
+    chain_note = ""
+    if "chain_training" in block:
+        chain_note = (f"; the {cfg.objective} block's step is the pipeline engine's at {inflight} micro-batches in flight "
+                      "(a block before the last holds their graphs and one weight copy each, the weight-stashing "
+                      "worst case, until their backwards; then one AdamW step)")
     res: dict[str, Any] = {
         "bench": "memory", "device": device.type, "device_name": _device_name(device),
         "torch": torch.__version__, "config": _config_summary(cfg), "block_index": block_index,
@@ -349,7 +406,7 @@ def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, bloc
                    + ("; cuda = torch.cuda.max_memory_allocated" if device.type == "cuda" else
                       "; live_tensor_peak (the headline on CPU) = bytes of the tensors alive before one "
                       "more step (weights, grads, AdamW state) + the peak running sum of the allocator's "
-                      "allocation/free events during that step (torch.profiler profile_memory)")),
+                      "allocation/free events during that step (torch.profiler profile_memory)")) + chain_note,
         "block": block, "reference": ref,
         "ratio_peak_rss": _ratio(block["peak_rss_mib"], ref["peak_rss_mib"]),
         "ratio_peak_increase": _ratio(block["peak_increase_mib"], ref["peak_increase_mib"]),
@@ -368,7 +425,7 @@ def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, bloc
     res["meets_target"] = res["ratio"] is not None and res["ratio"] <= MEMORY_TARGET
     if glibc_mmap:
         m = _measure_in_subprocesses(cfg, steps=steps, device=device, block_index=block_index,
-                                     timeout=timeout, threads=threads, env=GLIBC_MMAP_ENV)
+                                     timeout=timeout, threads=threads, inflight=inflight, env=GLIBC_MMAP_ENV)
         res["glibc_mmap"] = {
             "env": " ".join(f"{k}={v}" for k, v in GLIBC_MMAP_ENV.items()),
             "note": ("glibc told to serve every allocation >= 64 KiB with mmap and unmap it on free "
@@ -447,11 +504,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--block", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--inflight", type=int, default=4)
     a = ap.parse_args(argv)
     set_threads(a.threads)
     cfg = ModelConfig.from_dict(json.loads(a.config_json), source="--config-json")
     res = measure_memory_here(cfg, a.measure, steps=a.steps, device=torch.device(a.device),
-                              block_index=a.block)
+                              block_index=a.block, inflight=a.inflight)
     sys.stdout.write(json.dumps(res) + "\n")
     return 0
 

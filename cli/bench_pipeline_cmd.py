@@ -19,7 +19,7 @@ def pipeline_table(res: dict) -> Table:
                 "stalled s", "lost / done", f"serve {s['gen_bytes']} B: traversals", "serve s"):
         t.add_column(col, justify="right" if col != "objective" else "left")
     for name, r in res["runs"].items():
-        sv = r["serving"]
+        sv = r["serving"] or {"traversals": "-", "latency_s": None}
         t.add_row(name, _f(r["chain_ce"]), _f(r["chain_ce_init"]), _f(r["tokens_per_s"], ".0f"),
                   _mb(r["bytes_sent_total"]), _f((r["bytes_sent_per_worker_per_step"] or 0) / 1e3, ".1f"),
                   _f(r["peak_rss_mib_max"], ".0f"), _f(r["stalled_s_total"], ".1f"),
@@ -43,7 +43,7 @@ def pipeline_table(res: dict) -> Table:
 @click.option("--compression", type=click.Choice(["fp32", "fp16", "8bit"]), default=None,
               help="--pipeline-compression of every worker (default fp32).")
 @click.option("--inflight", type=click.IntRange(1, 4096), default=None,
-              help="--pipeline-inflight of every worker: micro-batches in flight along the chain (default 4; "
+              help="--pipeline-inflight of every worker: micro-batches in flight along the chain (default 1; "
                    "--preset h200: 8). 1: no stale weights.")
 @click.option("--gen-bytes", type=click.IntRange(1, 1024), default=None, help="Bytes generated for the serving cost "
                                                                               "(default 256; --tiny 4).")
@@ -64,11 +64,18 @@ def pipeline_table(res: dict) -> Table:
 @click.option("--device", default=None, help="Device of every worker and reference: cpu, cuda, cuda:N "
                                              "(default: cpu; --preset h200: cuda).")
 @click.option("--no-references", is_flag=True, help="Skip the whole-size and one-block reference models.")
+@click.option("--no-serving", is_flag=True, help="Skip the serving cost (saves one network start-up per objective).")
+@click.option("--weight-stash/--no-weight-stash", default=False, show_default=True,
+              help="--pipeline-weight-stash of every worker (pipeline: a backward after a weight change uses "
+                   "the weights its forward used).")
+@click.option("--flush", is_flag=True, help="--pipeline-flush and --pipeline-accumulate = --inflight on every worker "
+                                            "(GPipe: one step per window of in-flight micro-batches, none stale).")
 @click.option("--plan", "plan_only", is_flag=True, help="Print the preset's planned wall time and exit.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight, gen_bytes, delay_ms, eval_windows, overrides, data, plot,
-                       record, workdir, preset, tiny, device, no_references, plan_only, as_json):
+                       record, workdir, preset, tiny, device, no_references, no_serving, weight_stash, flush, plan_only,
+                       as_json):
     """pipeline and forward-streamed vs paper: real node processes, the same wall time each.
 
     \b
@@ -94,6 +101,9 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight,
     if device is not None:
         s.device = device
     s.references = not no_references
+    s.serving = not no_serving
+    s.weight_stash = weight_stash
+    s.flush = flush
     s.overrides += list(overrides)
     s.data = data
     for name, v in (("train_s", train_seconds), ("compression", compression), ("gen_bytes", gen_bytes),

@@ -209,17 +209,19 @@ _PIPELINE: contextvars.ContextVar[dict] = contextvars.ContextVar("bt_pipeline", 
 
 
 def pipeline_options(fn):
-    """--pipeline-inflight / -accumulate / -compression / -timeout for seed and join."""
+    """--pipeline-inflight / -accumulate / -compression / -timeout / -weight-stash for seed and join."""
     @functools.wraps(fn)
-    def wrapper(*args, pipeline_inflight=4, pipeline_accumulate=1, pipeline_compression="fp32",
-                pipeline_timeout=60.0, **kwargs):
+    def wrapper(*args, pipeline_inflight=1, pipeline_accumulate=1, pipeline_compression="fp32",
+                pipeline_timeout=60.0, pipeline_weight_stash=False, pipeline_flush=False, **kwargs):
         _PIPELINE.set({"pipeline_inflight": pipeline_inflight, "pipeline_accumulate": pipeline_accumulate,
-                       "pipeline_compression": pipeline_compression, "pipeline_timeout": pipeline_timeout})
+                       "pipeline_compression": pipeline_compression, "pipeline_timeout": pipeline_timeout,
+                       "pipeline_weight_stash": pipeline_weight_stash, "pipeline_flush": pipeline_flush})
         return fn(*args, **kwargs)
     opts = [
-        click.option("--pipeline-inflight", type=click.IntRange(1, 4096), default=4, show_default=True,
+        click.option("--pipeline-inflight", type=click.IntRange(1, 4096), default=1, show_default=True,
                      help="pipeline and forward-streamed runs, holders of block 0: micro-batches kept in flight "
-                          "along the chain."),
+                          "along the chain (1: no backward meets weights newer than its forward's; more overlap "
+                          "the stages but train on stale weights, see BENCHMARKS.md)."),
         click.option("--pipeline-accumulate", type=click.IntRange(1, 4096), default=1, show_default=True,
                      help="pipeline and forward-streamed runs: micro-batches whose gradients make one optimizer "
                           "step of this node's block."),
@@ -230,6 +232,14 @@ def pipeline_options(fn):
         click.option("--pipeline-timeout", type=click.FloatRange(1, 600), default=60.0, show_default=True,
                      help="pipeline and forward-streamed runs, block 0: seconds a micro-batch may take through "
                           "the chain and back before it is counted lost."),
+        click.option("--pipeline-weight-stash/--no-pipeline-weight-stash", default=False, show_default=True,
+                     help="pipeline runs: when this block's weights changed between a micro-batch's forward and "
+                          "its backward, run the backward on the weights the forward used (a copy is kept per "
+                          "version still needed: weight stashing); --no-...: on the current weights."),
+        click.option("--pipeline-flush", is_flag=True,
+                     help="pipeline runs, holders of block 0: send --pipeline-inflight micro-batches together and "
+                          "wait for all of them before the next (GPipe); with --pipeline-accumulate equal to "
+                          "--pipeline-inflight on every holder, no backward meets weights newer than its forward's."),
     ]
     for o in reversed(opts):
         wrapper = o(wrapper)

@@ -40,10 +40,12 @@ class NodeOptions:
     inject_delay_ms: float = 0.0               # benchmark/testing knob: one-way delay per hop RPC
     upstream_refresh: float = 30.0             # forward-chained: seconds between snapshot refreshes of blocks < b
     # chain-trained runs (pipeline, forward-streamed): the pipeline engine (node/pipeline/engine.py)
-    pipeline_inflight: int = 4                 # micro-batches a block-0 holder keeps in flight
+    pipeline_inflight: int = 1                 # micro-batches a block-0 holder keeps in flight
     pipeline_accumulate: int = 1               # micro-batches per optimizer step
     pipeline_compression: str = "fp32"         # fp32 | fp16 | 8bit: activations and gradients sent
     pipeline_timeout: float = 60.0             # seconds a micro-batch may take, block 0 and back
+    pipeline_weight_stash: bool = False        # backward on the weights its forward used (PipeDream)
+    pipeline_flush: bool = False               # block 0: GPipe-style windows of `inflight` micro-batches
     rebalance: bool = True                     # move to a needier block (node/rebalance.py); False pins the block
     rebalance_dwell: float = 600.0             # seconds a block is held before the node may leave it
     operator_token: bytes | None = field(default=None, init=False, repr=False)   # read once from the file

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(600)]
 def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "blocktrain.cli.main", "bench", "pipeline", "--tiny", "--objective", "pipeline",
-         "--data", str(TEST_CORPUS), "--workdir", str(tmp_path / "w"), "--json"],
+         "--inflight", "3", "--weight-stash", "--data", str(TEST_CORPUS), "--workdir", str(tmp_path / "w"), "--json"],
         capture_output=True, text=True, timeout=540, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
@@ -32,6 +32,10 @@ def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
     assert r["bytes_sent_total"] > 0 and r["bytes_sent_per_worker_per_step"] > 0
     assert r["peak_rss_mib_max"] > 50 and r["stalled_s_total"] >= 0
     assert all(w["pipeline_bytes_sent"] > 0 for w in r["workers"] if w["block"] == 0)
+    # with --weight-stash every recomputed backward ran on the weights its forward used
+    assert all(w["recomputed_stashed"] == w["recomputed"] for w in r["workers"])
+    assert all(w["peak_weight_stash_bytes"] > 0 for w in r["workers"] if w["block"] == 0)
+    assert r["config"]["objective"] == "pipeline" and "objective" not in res["config"]   # each arm says its own
     sv = r["serving"]
     assert sv["mode"] == "autoregressive" and sv["bytes"] == 4 and sv["traversals"] == 4   # one traversal per byte
     assert sv["latency_s"] >= sv["injected_delay_floor_s"] == pytest.approx(4 * 2 * 2 * 0.005)
@@ -78,13 +82,20 @@ def test_h200_preset_runs_at_tiny_size_on_cpu(tmp_path):
     assert res["references"]["whole"]["ce"] < math.log(256) - 0.3 and r["serving"]["traversals"] == 4
 
 
-def test_inflight_one_reaches_every_worker_no_stale_recompute(tmp_path):
-    """--inflight 1: one micro-batch along the chain at a time, so no backward ever finds its block's
-    weights moved since its forward (no recompute; one holder per block, so no averaging either)."""
-    out = _run(["--tiny", "--objective", "pipeline", "--layout", "0,1", "--inflight", "1", "--no-references",
-                "--train-seconds", "6", "--data", str(TEST_CORPUS), "--workdir", str(tmp_path / "w"), "--json"])
+@pytest.mark.parametrize("flags", [["--inflight", "1"], ["--inflight", "3", "--flush"]], ids=["inflight1", "flush"])
+def test_no_stale_recompute_with_one_in_flight_or_a_flush(tmp_path, flags):
+    """--inflight 1: one micro-batch along the chain at a time; --flush: windows of 3 micro-batches, one
+    step per window on every holder (GPipe). Either way no backward ever finds its block's weights moved
+    since its forward (no recompute; one holder per block, so no averaging either)."""
+    out = _run(["--tiny", "--objective", "pipeline", "--layout", "0,1", *flags, "--no-references",
+                "--no-serving", "--train-seconds", "6", "--data", str(TEST_CORPUS), "--workdir", str(tmp_path / "w"),
+                "--json"])
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     r = res["runs"]["pipeline"]
-    assert res["settings"]["inflight"] == 1 and r["microbatches_completed"] > 5
+    assert res["settings"]["inflight"] == int(flags[1]) and r["microbatches_completed"] > 5
     assert [w["recomputed"] for w in r["workers"]] == [0, 0]
+    if "--flush" in flags:   # one optimizer step per window of 3 micro-batches
+        b0 = [w for w in r["workers"] if w["block"] == 0][0]
+        assert b0["windows"] == 3 * 4 * b0["steps"] and b0["steps"] > 0
+    assert r["serving"] is None and res["settings"]["serving"] is False   # --no-serving: no second network

@@ -116,3 +116,22 @@ def test_bench_node_memory_reads_every_process_of_a_real_node_and_the_default_ha
         assert run["overhead_mb"] == pytest.approx(run["total_pss_mb"] - run["tensors_mb"])
         assert run["meets_target"] == (run["overhead_mb"] <= r["target_overhead_mb"])
     assert after["total_pss_mb"] < before["total_pss_mb"]   # two fewer python processes and no shm manager
+
+
+def test_a_pipeline_block_is_measured_with_its_stash():
+    """bench memory on a pipeline block: the engine's step at K micro-batches in flight, whose graphs and
+    weight copies (weight stashing) are live together, so the step's peak grows with K (in process, tiny)."""
+    import torch
+    from blocktrain.bench.resources import MiB, TINY_OVERRIDES, _Trainee, live_tensor_peak
+    from blocktrain.blocks.config import ModelConfig
+    cfg = ModelConfig(**{**TINY_OVERRIDES, "objective": "pipeline"})
+    peaks = {}
+    for k in (1, 4):
+        tr = _Trainee("block", cfg, torch.device("cpu"), block_index=1, inflight=k)
+        assert tr.describe()["inflight"] == k and tr.describe()["chain_training"] == "backprop"
+        tr.step()
+        peaks[k] = live_tensor_peak(tr)["live_step_peak_mib"]
+    weights = sum(p.numel() * 4 for p in tr.module.parameters()) / MiB
+    assert peaks[4] - peaks[1] >= 3 * weights, (peaks, weights)   # 3 more graphs and 3 more weight copies
+    last = _Trainee("block", cfg, torch.device("cpu"), block_index=cfg.n_blocks - 1, inflight=4)
+    assert math.isfinite(last.step()["loss"])                      # the last block computes the loss itself

@@ -17,23 +17,34 @@ For runs whose objective is chain-trained (``pipeline``: backprop through the ch
   averaging as before (the node's averaging loop, woken every ``average_every`` steps).
 
 Compute runs in one thread per worker, under the trainer's lock; network waits never hold it. A
-forward's graph is kept (not recomputed) until its backward, unless the weights changed meanwhile
-(an optimizer step or an accepted averaging round: ``trainer.weights_version``); then the backward
-recomputes the forward from the stashed input first (hivemind ``ModuleBackend``-style), so the
-gradient is always that of the current weights. Memory: a stage holds at most ``max_stash``
-micro-batches between forward and backward and answers ``busy`` beyond that; a block-0 holder at
-most ``inflight``. Faults: every call carries what is left of the micro-batch's ``timeout_s``; a
-holder that dies or stalls costs the micro-batches it held: its caller tries another holder
-(``retries``) or gives up, and the block-0 holder counts the micro-batch lost. Nothing waits
-unbounded. Dropout > 0 with a recompute draws new masks (as hivemind's recomputing backward does).
+forward's graph is kept until its backward. When the weights changed meanwhile (an optimizer step
+or an accepted averaging round: ``trainer.weights_version``) that graph is invalid (the optimizer
+wrote the weights in place), and the backward recomputes the forward from the stashed input first
+(hivemind ``ModuleBackend``-style). With ``weight_stash`` (off by default: measured no better at
+equal tokens, BENCHMARKS.md "Training along the chain") it recomputes it with the
+weights the forward used (PipeDream's weight stashing): the engine keeps one copy of the weights per
+version that a held micro-batch still needs, so the gradient dL/dh_b that came back (computed
+downstream on the h_b this stage sent) is backpropagated through the function that produced that
+h_b, and the parameter gradient is added to the block's live gradients. Without it the recompute
+uses the current weights: the gradient is then that of a different h_b than the one sent. Both are
+delayed gradients; the default (``inflight`` 1) has none.
+Memory: a stage holds at most ``max_stash`` micro-batches between forward and backward and answers
+``busy`` beyond that; a block-0 holder at most ``inflight``; weight copies at most one per held
+micro-batch (shared by those of one version; :meth:`stash_bytes` reports them). Faults: every call
+carries what is left of the micro-batch's ``timeout_s``; a holder that dies or stalls costs the
+micro-batches it held: its caller tries another holder (``retries``) or gives up, and the block-0
+holder counts the micro-batch lost. Nothing waits unbounded. Dropout > 0 with a recompute draws new
+masks (as hivemind's recomputing backward does).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -63,6 +74,18 @@ class _Work:
     h: torch.Tensor | None = None         #   and the output with its graph
     context: torch.Tensor | None = None   #   block 0's bytes, for a recompute
     version: int = -1                     #   the weights the graph was built with
+    weights: "_Weights | None" = None     #   and a copy of them (weight stashing)
+
+
+class _Weights:
+    """A copy of the block's state at one ``weights_version``, shared by the micro-batches whose forward
+    ran on it; freed when the last of them is done (weak references count the live copies)."""
+    __slots__ = ("version", "state", "nbytes", "__weakref__")
+
+    def __init__(self, version: int, module: torch.nn.Module):
+        self.version = version
+        self.state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+        self.nbytes = sum(v.numel() * v.element_size() for v in self.state.values())
 
 
 class PipelineEngine:
@@ -84,6 +107,9 @@ class PipelineEngine:
         self._held = 0                  # micro-batches this stage holds (loop thread only)
         self._starved = False           # block 0 found no holder of block 1: the driver waits a while
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bt-pipe-compute")
+        self._latest: _Weights | None = None            # the copy of the current version (weight stashing)
+        self._copies: weakref.WeakSet = weakref.WeakSet()   # every copy a held micro-batch still refers to
+        self._shadow: torch.nn.Module | None = None      # a module to run a stashed version on (compute thread)
 
     # -- compute (one thread, under the trainer's lock) ---------------------------------------------
     async def _in_compute(self, fn, *args):
@@ -110,7 +136,8 @@ class PipelineEngine:
                 x.requires_grad_(True)
             h = obj.stage_forward(t.module, self.b, x, ctx)
             if keep:
-                return _Work(h.detach().cpu(), n, x=x, h=h, context=ctx, version=t.weights_version)
+                return _Work(h.detach().cpu(), n, x=x, h=h, context=ctx, version=t.weights_version,
+                             weights=self._stash_current() if self.settings.weight_stash else None)
             loss, _ = obj.stage_loss(t.module, self.b, h, targets.to(dev))
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss at block {self.b}")
@@ -120,6 +147,19 @@ class PipelineEngine:
             self._accumulated(work.samples, work.loss)
         return work
 
+    def _stash_current(self) -> "_Weights":
+        """The copy of the current weights (made once per version, under the trainer's lock)."""
+        t = self.trainer
+        if self._latest is None or self._latest.version != t.weights_version:
+            self._latest = _Weights(t.weights_version, t.module)
+            self._copies.add(self._latest)
+            self.stats.stashed(self.stash_bytes())
+        return self._latest
+
+    def stash_bytes(self) -> int:
+        """Bytes of weight copies alive now (the current version's and those held micro-batches need)."""
+        return sum(w.nbytes for w in list(self._copies))
+
     def _backward(self, work: _Work, grad_out: torch.Tensor, loss: float | None) -> torch.Tensor | None:
         """Backprop mode: dL/dh_b -> the block's gradients (accumulated) and dL/dh_{b-1}."""
         t = self.trainer
@@ -127,13 +167,37 @@ class PipelineEngine:
             x, h = work.x, work.h
             if work.version != t.weights_version:   # the weights moved since the forward: recompute it
                 self.stats.add("recomputed")
-                t.module.train()
                 x = None if x is None else x.detach().requires_grad_(True)
-                h = self.objective.stage_forward(t.module, self.b, x, work.context)
-            h.backward(grad_out.to(h.device, h.dtype))
-            work.x = work.h = None
+                if work.weights is not None:        # with the weights that forward used (PipeDream)
+                    self.stats.add("recomputed_stashed")
+                    shadow = self._shadow_with(work.weights)
+                    h = self.objective.stage_forward(shadow, self.b, x, work.context)
+                    h.backward(grad_out.to(h.device, h.dtype))
+                    live = dict(t.module.named_parameters())
+                    for name, p in shadow.named_parameters():
+                        if p.grad is not None:
+                            q = live[name]
+                            q.grad = p.grad.clone() if q.grad is None else q.grad.add_(p.grad)
+                            p.grad = None
+                    h = None
+                else:
+                    t.module.train()
+                    h = self.objective.stage_forward(t.module, self.b, x, work.context)
+            if h is not None:
+                h.backward(grad_out.to(h.device, h.dtype))
+            work.x = work.h = work.weights = None
             self._accumulated(work.samples, loss)
             return None if x is None else x.grad.detach().cpu()
+
+    def _shadow_with(self, weights: "_Weights") -> torch.nn.Module:
+        """A second module of the block's kind holding ``weights`` (built once; compute thread, under the lock)."""
+        if self._shadow is None:
+            self._shadow = copy.deepcopy(self.trainer.module)
+            for p in self._shadow.parameters():
+                p.grad = None
+        self._shadow.load_state_dict(weights.state)
+        self._shadow.train()
+        return self._shadow
 
     def _accumulated(self, samples: int, loss: float | None) -> None:
         """One more micro-batch in the block's gradients; every ``accumulate`` of them, a step."""
@@ -226,6 +290,9 @@ class PipelineEngine:
                 self._starved = False
                 stop.wait(0.5 if self.idle() else 1.0)
                 continue
+            if self.settings.flush:
+                self._window(stop)
+                continue
             t0 = time.monotonic()
             while not slots.acquire(timeout=0.5):
                 if stop.is_set():
@@ -239,12 +306,30 @@ class PipelineEngine:
                 return
             fut.add_done_callback(lambda _f: slots.release())
 
+    def _window(self, stop: threading.Event) -> None:
+        """GPipe-style flush: ``inflight`` micro-batches sent together, all finished (or lost) before the
+        next window; with ``accumulate`` == ``inflight`` on every holder of a single chain each block steps
+        once per window, after its last backward, so no forward ever runs on weights older than its
+        backward's. Bounded: each micro-batch is bounded by ``timeout_s``."""
+        t, futs = self.trainer, []
+        for _ in range(self.settings.inflight):
+            try:
+                futs.append(self.loop.submit(self._microbatch(t.sampler.next_batch(t.cfg.batch_size))))
+            except RuntimeError:   # the event loop is gone: the node is stopping
+                break
+        t0 = time.monotonic()
+        pending = set(futs)
+        while pending and not stop.is_set():
+            _, pending = concurrent.futures.wait(pending, timeout=0.5)
+        self.stats.waited(time.monotonic() - t0)
+
     # -- reporting and teardown ----------------------------------------------------------------------
     def status(self) -> dict:
         s = self.settings
         return {"mode": self.mode, "block": self.b, "last": self.last, "held_now": self._held,
                 "settings": {"inflight": s.inflight, "accumulate": s.accumulate, "compression": s.codec,
-                             "timeout_s": s.timeout_s, "max_stash": s.max_stash, "retries": s.retries},
+                             "timeout_s": s.timeout_s, "max_stash": s.max_stash, "retries": s.retries,
+                             "weight_stash": s.weight_stash, "flush": s.flush},
                 **self.stats.snapshot(), "traffic": self.traffic.snapshot()}
 
     def close(self) -> None:

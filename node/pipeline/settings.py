@@ -8,12 +8,15 @@ CODECS = ("fp32", "fp16", "8bit")   # the same names as p2p.pipeline_wire.CODECS
 
 @dataclass(frozen=True)
 class PipelineSettings:
-    inflight: int = 4            # micro-batches a block-0 holder keeps in flight
+    inflight: int = 1            # micro-batches a block-0 holder keeps in flight (1: none stale; BENCHMARKS.md)
     accumulate: int = 1          # micro-batches per optimizer step
     codec: str = "fp32"          # what this worker sends: fp32 | fp16 | 8bit (answers use the caller's)
     timeout_s: float = 60.0      # one micro-batch's whole budget, from block 0 and back
     max_stash: int = 16          # micro-batches a stage holds between forward and backward (then: busy)
     retries: int = 2             # other holders of the next block tried after a failure
+    weight_stash: bool = False   # a backward after a weight change uses the weights its forward used (PipeDream)
+    flush: bool = False          # block 0: windows of `inflight` micro-batches, each finished before the next
+                                 # (GPipe; with accumulate == inflight on every holder: no stale weights)
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:

@@ -45,11 +45,15 @@ class PipelineStats:
     gradient came back, or streamed: the chain answered), ``lost`` (dropped, by reason). As a stage:
     ``received`` calls served, ``refused_busy``, ``failed_downstream``. Both: ``sent`` onward calls
     that were answered, ``failed_calls`` (a holder failed or timed out), ``retried`` (another holder
-    was asked after a failure), ``busy`` answers met, ``recomputed`` backwards (the weights had
-    changed since the forward), ``steps`` optimizer steps taken."""
+    was asked after a failure), ``routed_unannounced`` (a holder picked from those that answered
+    recently, absent from the DHT read), ``busy`` answers met, ``recomputed`` backwards (the weights had
+    changed since the forward; ``recomputed_stashed``: of those, on the stashed weights the forward used),
+    ``steps`` optimizer steps taken; ``peak_weight_stash_bytes``: the most bytes of weight copies alive
+    at once (weight stashing)."""
 
     KEYS = ("started", "completed", "received", "answered", "refused_busy", "failed_downstream", "sent",
-            "failed_calls", "retried", "busy", "recomputed", "steps", "microbatches_accumulated")
+            "failed_calls", "retried", "busy", "recomputed", "recomputed_stashed", "routed_unannounced", "steps",
+            "microbatches_accumulated")
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -57,6 +61,7 @@ class PipelineStats:
         self.lost: Counter = Counter()
         self.driver_wait_s = 0.0
         self.peak_held = 0
+        self.peak_weight_stash_bytes = 0
         self.activity = Activity()
 
     def add(self, key: str, n: int = 1) -> None:
@@ -71,6 +76,10 @@ class PipelineStats:
         with self._lock:
             self.peak_held = max(self.peak_held, n)
 
+    def stashed(self, nbytes: int) -> None:
+        with self._lock:
+            self.peak_weight_stash_bytes = max(self.peak_weight_stash_bytes, nbytes)
+
     def waited(self, seconds: float) -> None:
         with self._lock:
             self.driver_wait_s += seconds
@@ -79,7 +88,8 @@ class PipelineStats:
         with self._lock:
             out = {k: int(self.c[k]) for k in self.KEYS}
             out.update(lost=int(sum(self.lost.values())), lost_by_reason=dict(self.lost),
-                       driver_wait_s=round(self.driver_wait_s, 3), peak_held=self.peak_held)
+                       driver_wait_s=round(self.driver_wait_s, 3), peak_held=self.peak_held,
+                       peak_weight_stash_bytes=self.peak_weight_stash_bytes)
         out.update(self.activity.snapshot())
         out["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
         if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -16,6 +16,12 @@ joined and announced is used from then on). Failures:
 
 Every call is bounded by what is left of the micro-batch's deadline; when nothing is left, or no
 holder remains, :class:`DownstreamFailed` ends the micro-batch (the caller counts it lost).
+
+Holders that answered in the last ``RECENT_S`` seconds stay candidates even when a DHT read lacks
+them (a read that timed out or came back partial under load is cached by the router for a few
+seconds, and every micro-batch in that window used to fail with ``no_holder``: the likely cause of
+arm B's 80 lost micro-batches, BENCHMARKS.md); one that fails us is banned and forgotten. Such a
+pick is counted (``routed_unannounced``).
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from blocktrain.p2p.pipeline_rpc import PipelineClient
 from blocktrain.p2p.pipeline_wire import StageRequest, StageResponse
 
 MIN_CALL_S = 0.3          # no call is started with less time than this left
+RECENT_S = 30.0           # a holder that answered this recently stays a candidate without a DHT record
 ANSWER_MARGIN_S = 0.2     # what a callee is told it has: our remaining time less this (the answer's trip)
 
 
@@ -52,7 +59,17 @@ class NextStage:
         self.self_peer, self.retries = self_peer, retries
         self.ranking = ranking or HolderRanking()
         self.bans = bans or PeerBans(ban_seconds=10.0)
-        self.on_event = on_event or (lambda _e: None)   # "retried", "busy", "failed_calls"
+        self.on_event = on_event or (lambda _e: None)   # "retried", "busy", "failed_calls", "routed_unannounced"
+        self._recent: dict[int, dict[str, float]] = {}   # block -> peer -> when it last answered (monotonic)
+
+    def _known(self, block: int) -> list[str]:
+        now, seen = time.monotonic(), self._recent.get(block, {})
+        for p in [p for p, t in seen.items() if now - t > RECENT_S]:
+            del seen[p]
+        return list(seen)
+
+    def _forget(self, block: int, peer: str) -> None:
+        self._recent.get(block, {}).pop(peer, None)
 
     async def any_holder(self, block: int) -> bool:
         """Is any holder of ``block`` announced (and not banned)? Read from the DHT at most every few seconds."""
@@ -70,13 +87,16 @@ class NextStage:
             if remaining < MIN_CALL_S:
                 raise DownstreamFailed("timeout", f"no time left to reach block {block} ({last})")
             announced = await self.holders(block, fresh)
-            cands = [p for p in announced if p != self.self_peer and p not in tried and not self.bans.is_banned(p)]
+            pool = list(dict.fromkeys([*announced, *self._known(block)]))
+            cands = [p for p in pool if p != self.self_peer and p not in tried and not self.bans.is_banned(p)]
             if not cands:
                 if not fresh:        # read the DHT once more before giving up
                     fresh = True
                     continue
                 raise DownstreamFailed("no_holder", f"no live holder of block {block} left to ask ({last})")
             peer = self.ranking.pick(cands)
+            if peer not in announced:
+                self.on_event("routed_unannounced")
             req = StageRequest(block, state, targets, self.mode, self.codec,
                                deadline_s=min(600.0, max(0.1, remaining - ANSWER_MARGIN_S)),
                                request_id=f"{rid}-{failures}", origin=origin)
@@ -99,16 +119,19 @@ class NextStage:
                 if e.code not in ("downstream", "timeout"):   # the holder itself failed us
                     self.ranking.record_failure(peer, str(e))
                     self.bans.ban(peer, f"pipeline block {block}: {e}")
+                    self._forget(block, peer)
                 tried.add(peer)
             except HopTimeoutError as e:
                 last = f"{peer[-8:]}: {e}"[:300]
                 self.on_event("failed_calls")
                 self.ranking.record_failure(peer, "no answer in time")
                 self.bans.ban(peer, f"pipeline block {block}: {e}")
+                self._forget(block, peer)
                 tried.add(peer)
             else:
                 self.ranking.record_success(peer, time.monotonic() - t0)
                 self.bans.forgive([peer])
+                self._recent.setdefault(block, {})[peer] = time.monotonic()
                 return resp
             failures += 1
             if failures > self.retries:

@@ -1,0 +1,54 @@
+"""NextStage (node/routing/pipeline_route.py), its choice logic alone: a DHT read that comes back
+without the next block's holder (timed out or partial under load, then cached by the router for
+a few seconds) must not fail micro-batches that a holder which just answered could carry; a holder
+that fails us is banned and forgotten. The callee here is a plain object that answers or raises (no
+network: the wire and real processes are tested in test_pipeline_grads.py / test_pipeline_train.py).
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from blocktrain.node.routing.pipeline_route import DownstreamFailed, NextStage
+from blocktrain.p2p.errors import RemoteHopError
+from blocktrain.p2p.pipeline_wire import StageResponse
+
+
+class _Callee:
+    def __init__(self):
+        self.fail, self.calls = False, []
+
+    async def call(self, peer, req, timeout):
+        self.calls.append(peer)
+        if self.fail:
+            raise RemoteHopError(peer, "unreachable", "gone")
+        return StageResponse(req.request_id, None, 1.0, {}, [peer])
+
+
+def test_a_holder_that_just_answered_survives_a_dht_read_without_it():
+    reads = [["QmB"], [], [], [], []]     # the first read has the holder; the later ones (cached, fresh) not
+    events = []
+
+    async def holders(block, fresh):
+        return reads.pop(0) if reads else []
+
+    callee = _Callee()
+    ns = NextStage(callee, holders, mode="backprop", codec="fp32", self_peer="QmA", on_event=events.append)
+    x, y = torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long)
+
+    async def go():
+        assert (await ns.send(1, x, y, 5.0)).route == ["QmB"]
+        assert (await ns.send(1, x, y, 5.0)).route == ["QmB"]    # the read lacked it: remembered
+        callee.fail = True
+        with pytest.raises(DownstreamFailed):                       # it fails us: banned and forgotten
+            await ns.send(1, x, y, 5.0)
+        callee.fail = False
+        ns.bans.forgive(["QmB"])
+        with pytest.raises(DownstreamFailed) as e:                  # not announced, not remembered: no holder
+            await ns.send(1, x, y, 5.0)
+        return e.value.reason
+
+    assert asyncio.run(go()) == "no_holder"
+    assert callee.calls == ["QmB", "QmB", "QmB"] and events.count("routed_unannounced") == 2
