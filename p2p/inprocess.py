@@ -205,6 +205,27 @@ def _patch_mpfuture_events() -> None:
     MPFuture._set_event_threadsafe = _set_event_threadsafe
 
 
+def _patch_step_control_attach() -> None:
+    """hivemind's averager ``step()`` sends its ``StepControl`` through the control pipe; the loop
+    attaches a fresh trigger and cancel future to what it receives and hands them back, and the host
+    attaches them to its own object. Across a process those are two objects; through a local pipe
+    (passed by reference) they are one, and hivemind's second ``attach`` asserted "Futures are
+    already attached", so every averaging round failed. Attaching the very same pair again is a
+    no-op; any other second attach still raises, as in hivemind."""
+    from hivemind.averaging.control import StepControl
+    original = StepControl.attach
+    if getattr(original, "_bt_patched", False):
+        return
+
+    def attach(self, trigger, cancel):
+        if trigger is not None and self._trigger is trigger and self._cancel is cancel:
+            return
+        return original(self, trigger, cancel)
+
+    attach._bt_patched = True   # type: ignore[attr-defined]
+    StepControl.attach = attach
+
+
 class RunsInThread:
     """Mixin for hivemind's ``mp.Process`` classes (``class X(RunsInThread, StopsWithParent, DHT)``).
     Call :meth:`bt_use_thread` after ``__init__`` (with ``start=False``) and before ``start()``; without
@@ -217,6 +238,7 @@ class RunsInThread:
         self.bt_in_thread = True
         _patch_dht_signals()
         _patch_mpfuture_events()
+        _patch_step_control_attach()
         self._bt_swap_pipes()
 
     def _bt_swap_pipes(self) -> None:

@@ -46,3 +46,36 @@ def test_a_round_gives_up_on_a_held_tensor_lock_in_bounded_time():
             avg.shutdown()
     finally:
         disc.shutdown(withdraw=False)
+
+
+def test_two_averagers_in_one_process_complete_a_round():
+    """Both ends of a round in one process, hivemind's loops as threads (the default layout): the
+    averager's control pipe passes hivemind's StepControl by reference, so the host and the loop
+    both attach the same trigger to the same object; that must be one round, not an assertion."""
+    from blocktrain.p2p.discovery import Discovery
+
+    first = Discovery.start(host_maddrs=["/ip4/127.0.0.1/tcp/0"], run_ids=["pair"])
+    discs = [first]
+    avgs: list = []
+    try:
+        discs.append(Discovery.start(host_maddrs=["/ip4/127.0.0.1/tcp/0"], run_ids=["pair"],
+                                     initial_peers=[str(a) for a in first.dht.get_visible_maddrs()]))
+        assert all(getattr(d.dht, "bt_in_thread", False) for d in discs)
+        for d in discs:
+            avgs.append(BlockAverager(d.dht, BlockTrainer(tiny_config(), 0, DATA, DATA), "pair",
+                                      peer_id=d.peer_id, matchmaking_time=2.0))
+        out: dict = {}
+        ths = [threading.Thread(target=lambda k=k: out.update({k: avgs[k].round()}), daemon=True) for k in (0, 1)]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join(60)
+        assert not any(th.is_alive() for th in ths), "a round did not end"
+        failures = [a.stats.last_failure for a in avgs]
+        assert all(out.get(k) is not None and out[k].accepted for k in (0, 1)), (out, failures)
+        assert [a.stats.succeeded for a in avgs] == [1, 1]
+    finally:
+        for a in avgs:
+            a.shutdown()
+        for d in discs:
+            d.shutdown(withdraw=False)
