@@ -38,6 +38,8 @@ from blocktrain.node.state_fetch import StateFetcher
 log = logging.getLogger(__name__)
 GRACE_S = 5.0   # keep serving the old block this long after its tombstone (routers cache holders 3 s)
 RETRY_PERIODS = 6   # after a refused move, no move for this many periods (60 s at the default 30 s TTL)
+CONFIRM_TRIES = 8   # holders of the old block asked whether they serve the run before leaving it
+CONFIRM_TIMEOUT_S = 3.0
 
 
 class MoveRefused(Exception):
@@ -92,6 +94,7 @@ class Rebalancer:
             new_avg = None
             n.moving_to = t
             try:
+                self._confirm_keepers(m, holders)
                 n.discovery.announce(n.announcements()[-1])   # t as joining, now (the refresher repeats it)
                 trainer, fetched = self._download(t, holders)
                 if stop.is_set():
@@ -115,6 +118,30 @@ class Rebalancer:
         stop.wait(GRACE_S)
         self._retire(m)
         return t
+
+    def _confirm_keepers(self, m: int, holders: dict) -> None:
+        """Before leaving block m: at least ``min_keep`` of its other holders must answer the info RPC
+        as members of this run with this config. DHT records alone are cheap to forge (a Sybil
+        announcing many holders of m would otherwise talk every real holder out of it); a record
+        whose peer does not answer is not a holder m can rely on. Asks at most ``CONFIRM_TRIES``
+        holders, those the router has measured as good first."""
+        n = self.node
+        need = self.policy.min_keep
+        others = [a.peer_id for a in holders.get(m, []) if a.is_live and a.peer_id != n.peer_id]
+        others = n.ranking.order(others)   # measured good holders first, failing ones last
+        confirmed = 0
+        for peer in others[:CONFIRM_TRIES]:
+            try:
+                runs = n.client.get_info_sync(peer, timeout=CONFIRM_TIMEOUT_S)
+            except Exception as e:   # no answer, a refusal, a timeout: not a holder to rely on
+                log.info("rebalancing: holder %s of block %d did not confirm: %s", peer, m, e)
+                continue
+            if any(r["run_id"] == n.run_id and r["config_hash"] == n.cfg.config_hash for r in runs):
+                confirmed += 1
+                if confirmed >= need:
+                    return
+        raise MoveRefused(f"block {m} would keep {confirmed} confirmed holder(s) besides this node "
+                          f"(asked {min(len(others), CONFIRM_TRIES)} of {len(others)} announced), fewer than {need}")
 
     def _download(self, t: int, holders: dict):
         """A trainer of block t holding a checked state downloaded from one of t's live holders."""
