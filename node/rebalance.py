@@ -11,6 +11,9 @@ move at all for ``RETRY_PERIODS`` periods.
 
 A move from block m to block t (:meth:`Rebalancer.move`), while the node keeps training and serving m:
 
+0. confirm that m keeps ``min_keep`` holders: that many of m's other holders must answer the info RPC
+   for this run and config (announced records alone are cheap to forge: Sybil holders of m must
+   not talk the real ones out of it); otherwise the move is refused;
 1. announce t as ``joining`` (the refresher stores both records; ``block_load`` then counts this
    node in t only, so other donors do not rush to the same hole);
 2. download t's state from a live holder through :class:`~blocktrain.node.state_fetch.StateFetcher`
