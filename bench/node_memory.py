@@ -55,11 +55,13 @@ LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {
                       {"BT_HIVEMIND_IN": "thread", "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor",
                        **_OLD, "BT_TORCH_OPTIM": "0"}),
     "lean1": ("as threads-adamw, with glibc heap trimming and p2pd GOGC=25 GOMEMLIMIT=24MiB: the default "
-              "of commit add0075", dict(_EAGER)),
+              "of commit add0075", {**_EAGER, "GOMEMLIMIT": "24MiB"}),
     "lazy-scipy": ("as lean1, with scipy.optimize (which hivemind imports, a node never calls) deferred",
-                   {"BT_EAGER_IMPORTS": "cli"}),
+                   {"BT_EAGER_IMPORTS": "cli", "GOMEMLIMIT": "24MiB"}),
+    "gomemlimit": ("as after, with p2pd's GOMEMLIMIT=24MiB (the default until 2026-12-01: dropped for the "
+                   "daemon CPU it costs when streaming)", {"GOMEMLIMIT": "24MiB"}),
     "after": ("the default: as lazy-scipy, and bt-node imports its bench and offline commands only when "
-              "invoked", {}),
+              "invoked; p2pd with GOGC=25 only", {}),
     "arena1": ("as after, with MALLOC_ARENA_MAX=1 (one glibc heap for all threads; tried, not the default)",
                {"MALLOC_ARENA_MAX": "1"}),
 }
