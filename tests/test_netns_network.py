@@ -88,7 +88,7 @@ def test_generation_fails_over_when_a_host_namespace_is_killed(net):
     other = "h5" if victim_name == "h3" else "h3"
     victim = nodes[victim_name]
     killed = lab.kill_host(victim.host)
-    assert killed >= 3, killed                        # the node and its DHT, averager, p2pd processes
+    assert killed >= 2, killed   # the node and its p2pd (hivemind's DHT and averager loops are threads of the node)
     assert victim.host.ns not in namespaces()
     victim.proc.wait(timeout=15)
     t0 = time.monotonic()
