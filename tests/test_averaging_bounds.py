@@ -48,11 +48,15 @@ def test_a_round_gives_up_on_a_held_tensor_lock_in_bounded_time():
         disc.shutdown(withdraw=False)
 
 
-def test_two_averagers_in_one_process_complete_a_round():
-    """Both ends of a round in one process, hivemind's loops as threads (the default layout): the
-    averager's control pipe passes hivemind's StepControl by reference, so the host and the loop
-    both attach the same trigger to the same object; that must be one round, not an assertion."""
+@pytest.mark.parametrize("layout", ["thread", "process"])
+def test_two_averagers_in_one_process_complete_a_round(layout, monkeypatch):
+    """Both ends of a round in one process, in either layout of hivemind's loops. As threads (the
+    default) the averager's control pipe passes hivemind's StepControl by reference, so the host and
+    the loop both attach the same trigger to the same object; that must be one round, not an
+    assertion."""
     from blocktrain.p2p.discovery import Discovery
+
+    monkeypatch.setenv("BT_HIVEMIND_IN", layout)
 
     first = Discovery.start(host_maddrs=["/ip4/127.0.0.1/tcp/0"], run_ids=["pair"])
     discs = [first]
@@ -60,7 +64,7 @@ def test_two_averagers_in_one_process_complete_a_round():
     try:
         discs.append(Discovery.start(host_maddrs=["/ip4/127.0.0.1/tcp/0"], run_ids=["pair"],
                                      initial_peers=[str(a) for a in first.dht.get_visible_maddrs()]))
-        assert all(getattr(d.dht, "bt_in_thread", False) for d in discs)
+        assert all(getattr(d.dht, "bt_in_thread", False) == (layout == "thread") for d in discs)
         for d in discs:
             avgs.append(BlockAverager(d.dht, BlockTrainer(tiny_config(), 0, DATA, DATA), "pair",
                                       peer_id=d.peer_id, matchmaking_time=2.0))
