@@ -1,0 +1,71 @@
+"""Before a rebalancing move leaves block m, m must keep ``min_keep`` holders that answer for the
+run: announced records alone can be Sybils (tests/test_security_outsider.py attacks a live network
+with them; this file pins the rule itself on chosen answers, deterministically: the urgent rule
+only moves a donor with a small probability per check, so a live test sees a move rarely)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from blocktrain.node.rebalance import CONFIRM_TRIES, MoveRefused, Rebalancer
+from blocktrain.node.routing.ranking import HolderRanking
+from blocktrain.node.routing.selection import Holder
+
+RUN, HASH = "confirm", "cfg-hash"
+
+
+class _Answers:
+    """What each peer says to the info RPC: a list of runs, or an exception."""
+
+    def __init__(self, answers: dict):
+        self.answers, self.asked = answers, []
+
+    def get_info_sync(self, peer, timeout=10.0):
+        self.asked.append(peer)
+        a = self.answers.get(peer, ConnectionError("no handler"))
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+
+def _rebalancer(answers: dict) -> tuple[Rebalancer, _Answers]:
+    client = _Answers(answers)
+    node = SimpleNamespace(peer_id="me", run_id=RUN, cfg=SimpleNamespace(config_hash=HASH), client=client,
+                           ranking=HolderRanking())
+    return Rebalancer(node, dwell_s=600.0, period_s=10.0), client
+
+
+def _holders(peers: list[str]) -> dict:
+    return {1: [Holder(1, "me"), *[Holder(1, p) for p in peers]], 0: [Holder(0, "lonely")]}
+
+
+OK = [{"run_id": RUN, "seeder": "s", "config_hash": HASH}]
+
+
+def test_fifty_silent_records_do_not_count_as_keepers():
+    sybils = [f"sybil{i}" for i in range(50)]
+    r, client = _rebalancer({})
+    with pytest.raises(MoveRefused, match="0 confirmed holder"):
+        r._confirm_keepers(1, _holders(sybils))
+    assert len(client.asked) == CONFIRM_TRIES   # bounded: a few asked, not all fifty
+
+
+def test_two_answering_holders_let_the_node_leave_and_wrong_answers_do_not_count():
+    r, _ = _rebalancer({"a": OK, "b": OK})
+    r._confirm_keepers(1, _holders(["a", "b"]))   # no exception: the move may go on
+    wrong = [{"run_id": RUN, "seeder": "s", "config_hash": "other"}]
+    r, _ = _rebalancer({"a": OK, "b": wrong, "c": [{"run_id": "elsewhere", "seeder": "s", "config_hash": HASH}]})
+    with pytest.raises(MoveRefused, match="1 confirmed holder"):
+        r._confirm_keepers(1, _holders(["a", "b", "c"]))
+
+
+def test_holders_measured_good_are_asked_first():
+    peers = [f"sybil{i}" for i in range(20)] + ["a", "b"]
+    r, client = _rebalancer({"a": OK, "b": OK})
+    for p in ("a", "b"):
+        r.node.ranking.record_success(p, 0.01)
+    for p in peers[:20]:
+        r.node.ranking.record_failure(p, "stalled")
+    r._confirm_keepers(1, _holders(peers))
+    assert client.asked == ["a", "b"] or client.asked == ["b", "a"]
