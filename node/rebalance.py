@@ -93,11 +93,15 @@ class Rebalancer:
         n = self.node
         m, t0 = n.block_index, time.monotonic()
         log.info("rebalancing: moving from block %d to block %d (holders per block %s)", m, t, self.last_view)
+        try:   # before anything is announced: nothing to undo if m cannot spare this node
+            self._confirm_keepers(m, holders)
+        except MoveRefused as e:
+            self._refused(t, str(e))
+            return None
         with self._lock:
             new_avg = None
             n.moving_to = t
             try:
-                self._confirm_keepers(m, holders)
                 n.discovery.announce(n.announcements()[-1])   # t as joining, now (the refresher repeats it)
                 trainer, fetched = self._download(t, holders)
                 if stop.is_set():
@@ -200,12 +204,18 @@ class Rebalancer:
         if old is not None and not old.shutdown():
             n._error(f"the averager process of block {m} did not stop when asked and was killed")
 
+    def _refused(self, t: int, reason: str) -> None:
+        """Book a move to t that will not happen; back off (the node still holds its old block)."""
+        log.warning("rebalancing: move to block %d abandoned: %s", t, reason)
+        self.node.block_since = time.monotonic()   # no ordinary move for a full dwell
+        self.retry_at = time.monotonic() + RETRY_PERIODS * self.period_s   # and no urgent one for a while
+        self.refused.append({"to": t, "at": time.time(), "reason": reason})
+        del self.refused[:-50]
+
     def _abandon(self, t: int, new_avg, reason: str) -> None:
         n = self.node
-        log.warning("rebalancing: move to block %d abandoned: %s", t, reason)
         n.moving_to = None
-        n.block_since = time.monotonic()   # no ordinary move for a full dwell
-        self.retry_at = time.monotonic() + RETRY_PERIODS * self.period_s   # and no urgent one for a while
+        self._refused(t, reason)
         if new_avg is not None:
             new_avg.shutdown()
         if t in n._serving and t != n.block_index:
@@ -214,6 +224,4 @@ class Rebalancer:
             self._reannounce(withdraw_block=t)
         except Exception as e:
             n._error(f"withdrawing the joining record of block {t}: {type(e).__name__}: {e}")
-        self.refused.append({"to": t, "at": time.time(), "reason": reason})
-        del self.refused[:-50]
         n._error(f"move to block {t} abandoned: {reason}")

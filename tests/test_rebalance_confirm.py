@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import threading
+
 import pytest
 
 from blocktrain.node.rebalance import CONFIRM_TRIES, MoveRefused, Rebalancer
@@ -29,10 +31,18 @@ class _Answers:
         return a
 
 
+class _NoDHT:
+    """A move refused by the keeper check must not touch the DHT: any call fails the test."""
+
+    def __getattr__(self, name):
+        raise AssertionError(f"the DHT was used ({name}) by a move refused before it started")
+
+
 def _rebalancer(answers: dict) -> tuple[Rebalancer, _Answers]:
     client = _Answers(answers)
     node = SimpleNamespace(peer_id="me", run_id=RUN, cfg=SimpleNamespace(config_hash=HASH), client=client,
-                           ranking=HolderRanking())
+                           ranking=HolderRanking(), block_index=1, moving_to=None, block_since=0.0,
+                           discovery=_NoDHT())
     return Rebalancer(node, dwell_s=600.0, period_s=10.0), client
 
 
@@ -69,3 +79,11 @@ def test_holders_measured_good_are_asked_first():
         r.node.ranking.record_failure(p, "stalled")
     r._confirm_keepers(1, _holders(peers))
     assert client.asked == ["a", "b"] or client.asked == ["b", "a"]
+
+
+def test_a_refused_move_announces_nothing_and_backs_off():
+    r, _ = _rebalancer({})
+    assert r.move(0, _holders([f"sybil{i}" for i in range(50)]), threading.Event()) is None
+    assert r.node.moving_to is None and r.node.block_index == 1
+    assert len(r.refused) == 1 and "confirmed holder" in r.refused[0]["reason"]
+    assert r.retry_at > 0 and r.node.block_since > 0   # no move for a while, no ordinary one for a dwell
