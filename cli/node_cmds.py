@@ -48,6 +48,11 @@ def node_options(fn):
                      help="Seconds between held-out chain CE measurements through the network (0: off)."),
         click.option("--max-steps", type=click.IntRange(min=0), default=None,
                      help="Stop training after N steps; keep serving."),
+        click.option("--train-duty", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
+                     envvar="BT_TRAIN_DUTY", show_envvar=True,
+                     help="Share of wall time this node's own training may keep busy (0.25: a step, then three "
+                          "times as long idle; a pipeline block 0 paces its micro-batches alike). Serving, "
+                          "averaging and other blocks' pipeline requests are not throttled."),
         click.option("--averaging-compression", type=click.Choice(["fp32", "fp16", "8bit"]), default="fp32",
                      show_default=True, help="What averaging rounds send: fp32 weights, fp16 (half the "
                                              "bytes) or uniform 8-bit quantization (about a quarter)."),
@@ -139,9 +144,12 @@ def _progress(st) -> Table:
     return table
 
 
-def _common(checkpoint_dir, run_id, **kw) -> NodeOptions:
+def _common(checkpoint_dir, run_id, *, sample_seed: int, **kw) -> NodeOptions:
+    """NodeOptions from a command's own arguments and ``node_options``' (named as NodeOptions' fields,
+    but for ``--seed``, the sampling seed)."""
     d = checkpoint_dir or f"bt-node-{run_id or 'run'}"
-    return NodeOptions(checkpoint_dir=Path(d), run_id=run_id, **_PRIVATE_RUN.get(), **_PIPELINE.get(), **kw)
+    return NodeOptions(checkpoint_dir=Path(d), run_id=run_id, seed=sample_seed, **_PRIVATE_RUN.get(),
+                       **_PIPELINE.get(), **kw)
 
 
 RUN_HELP = ("Which run: RUN, or its run address RUN@SEEDER_PEER_ID (believe only that seeder's manifest), "
@@ -259,10 +267,8 @@ def pipeline_options(fn):
 @private_run_options
 @pipeline_options
 @friendly
-def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpoint_dir, block, device, host, port,
-         announce_host, http_port, http_host, average_every, average_period, checkpoint_every, max_steps,
-         eval_every, sample_seed, ready_file, quiet, averaging_compression, inject_delay_ms, upstream_refresh,
-         rebalance, rebalance_dwell):
+def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpoint_dir, block, ready_file, quiet,
+         **node_kw):
     """Start the first node of a NEW run: publish its manifest, hold a block, print the address.
 
     \b
@@ -273,11 +279,7 @@ def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpo
     from ..p2p.addresses import parse_initial_peers
     opts = _common(checkpoint_dir, run_id, config=cfg, data=data,
                    initial_peers=parse_initial_peers(list(initial_peers)), block=0 if block is None else block,
-                   device=device, host=host, port=port, announce_host=announce_host, http_port=http_port,
-                   http_host=http_host, average_every=average_every, average_period=average_period,
-                   checkpoint_every=checkpoint_every, max_steps=max_steps, eval_every=eval_every, seed=sample_seed,
-                   averaging_compression=averaging_compression, inject_delay_ms=inject_delay_ms,
-                   upstream_refresh=upstream_refresh, rebalance=rebalance, rebalance_dwell=rebalance_dwell)
+                   **node_kw)
     _run_node(opts, ready_file, quiet, "Seeded")
 
 
@@ -293,9 +295,7 @@ def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpo
 @private_run_options
 @pipeline_options
 @friendly
-def join(initial_peers, run_id, data, checkpoint_dir, block, device, host, port, announce_host, http_port,
-         http_host, average_every, average_period, checkpoint_every, max_steps, eval_every, sample_seed, ready_file, quiet,
-         averaging_compression, inject_delay_ms, upstream_refresh, rebalance, rebalance_dwell):
+def join(initial_peers, run_id, data, checkpoint_dir, block, ready_file, quiet, **node_kw):
     """Join a run: pick the least-held block, download its current state, train, average and serve.
 
     A member nobody can dial (behind NAT) notices at join (its initial peers try to dial it back),
@@ -309,12 +309,7 @@ def join(initial_peers, run_id, data, checkpoint_dir, block, device, host, port,
     """
     peers = _peers(initial_peers, run_id)
     opts = _common(checkpoint_dir, run_id.run_id, seeder=run_id.seeder, initial_peers=peers, data=data, block=block,
-                   device=device,
-                   host=host, port=port, announce_host=announce_host, http_port=http_port, http_host=http_host,
-                   average_every=average_every, average_period=average_period,
-                   checkpoint_every=checkpoint_every, max_steps=max_steps, eval_every=eval_every, seed=sample_seed,
-                   averaging_compression=averaging_compression, inject_delay_ms=inject_delay_ms,
-                   upstream_refresh=upstream_refresh, rebalance=rebalance, rebalance_dwell=rebalance_dwell)
+                   **node_kw)
     _run_node(opts, ready_file, quiet, "Joined")
 
 

@@ -5,7 +5,8 @@ bound. A body that raises is logged, reported through ``on_crash`` (the node the
 ends its thread. :class:`Teardown` holds what a node started, in order, and stops it in reverse,
 each step bounded (its own budget, and the whole stop's deadline) and none able to keep the next
 from running: a step still running when its time is up is left to finish in the background and
-recorded as abandoned. ``timings`` says how long each step took.
+recorded as abandoned. ``timings`` says how long each step took. :class:`DutyCycle` keeps a
+loop's own work to a fraction of wall time (a volunteer's "use at most this share of my machine").
 """
 from __future__ import annotations
 
@@ -45,6 +46,34 @@ class Loop:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("%s loop did not stop within %.0fs", self.name, timeout)
+
+
+class DutyCycle:
+    """Work at most ``fraction`` of wall time: after work that kept this loop busy ``busy_s`` seconds,
+    :meth:`pause` is the idle time that brings busy / (busy + idle) down to ``fraction``. With ``parallel``
+    units of work overlapping (micro-batches in flight), each unit's share of the pause is 1/parallel.
+    ``fraction`` 1 never pauses."""
+
+    def __init__(self, fraction: float = 1.0):
+        if not 0.0 < fraction <= 1.0:
+            raise ValueError(f"--train-duty must be in (0, 1], got {fraction}")
+        self.fraction = fraction
+        self.paused_s = 0.0        # total idle time this cycle asked for (reported in status)
+
+    def pause(self, busy_s: float, parallel: int = 1) -> float:
+        if self.fraction >= 1.0 or busy_s <= 0.0:
+            return 0.0
+        p = busy_s * (1.0 - self.fraction) / self.fraction / max(1, parallel)
+        self.paused_s += p
+        return p
+
+    def paced(self, work: Callable[[], None], stop: threading.Event) -> None:
+        """Run ``work`` once, then stay idle for its share of the cycle (``stop`` cuts the idle short)."""
+        t0 = time.monotonic()
+        work()
+        p = self.pause(time.monotonic() - t0)
+        if p:
+            stop.wait(p)
 
 
 class Teardown:

@@ -31,7 +31,7 @@ from blocktrain.blocks.objectives import get_objective
 from blocktrain.node import generation
 from blocktrain.node.auth import RunAuth
 from blocktrain.node.averaging.rounds import BlockAverager
-from blocktrain.node.loops import Loop, Teardown
+from blocktrain.node.loops import DutyCycle, Loop, Teardown
 from blocktrain.node.memory import tune_malloc
 from blocktrain.node.options import NodeOptions
 from blocktrain.node.reachability import Reachability
@@ -78,6 +78,7 @@ class Node:
         self.started_at = time.time()
         self.state = "starting"
         self.teardown = Teardown()
+        self.duty = DutyCycle(opts.train_duty)   # the share of wall time this node's own training may use
         self.errors: list[str] = []
         self.failure: str | None = None           # why the node stopped on its own (a crashed loop)
         self.loops: list[Loop] = []
@@ -340,8 +341,11 @@ class Node:
             if self._idle() or not t.ready():
                 stop.wait(0.5)
                 continue
-            t.train_step()
-            self._after_step()
+            self.duty.paced(lambda: self._step(t), stop)
+
+    def _step(self, t: BlockTrainer) -> None:
+        t.train_step()
+        self._after_step()
 
     def _after_step(self) -> None:
         """After each optimizer step (local, or the pipeline engine's): wake averaging, checkpoint."""
@@ -363,7 +367,21 @@ class Node:
             self._avg_wakeup.clear()
             if stop.is_set():
                 break
+            if not self._block_has_peers():
+                self.averager.stats.skipped_alone += 1
+                continue
             self.averager.round()
+
+    def _block_has_peers(self) -> bool:
+        """Does another node announce this block? A round alone forms no group, and its matchmaking
+        (hivemind polls the DHT for partners until its timeout) costs about a third of a core and
+        slows training through the GIL (BENCHMARKS.md "Idle cost"). Unknown (DHT unreadable): try."""
+        try:
+            holders = self.router.holders().get(self.block_index, [])
+        except Exception as e:
+            log.info("could not read this block's holders (%s); trying the round", e)
+            return True
+        return any(a.peer_id != self.peer_id and a.state == "online" for a in holders)
 
     def _eval(self, stop: threading.Event) -> None:
         """Held-out chain CE through the network every ``eval_every`` seconds (for the dashboard and

@@ -31,6 +31,7 @@ class NodeOptions:
     eval_every: float = 0.0                    # seconds between held-out chain CE measurements (0: off)
     max_steps: int | None = None               # stop training after this many local steps (serve on)
     train: bool = True
+    train_duty: float = 1.0                    # fraction of wall time the node's own training may use (0, 1]
     seed: int = 0
     ttl: float = 30.0
     allowed_peers: frozenset[str] | None = None    # private run: only these peer ids may call / average
@@ -83,6 +84,8 @@ class NodeOptions:
         from .pipeline.settings import PipelineSettings   # the pipeline flags' checks live with the engine
         PipelineSettings(inflight=self.pipeline_inflight, accumulate=self.pipeline_accumulate,
                          codec=self.pipeline_compression, timeout_s=self.pipeline_timeout)
+        if not 0.0 < self.train_duty <= 1.0:
+            raise ValueError(f"--train-duty must be in (0, 1], got {self.train_duty}")
         if not 0.0 <= self.rebalance_dwell <= 86_400.0:
             raise ValueError(f"--rebalance-dwell must be in [0, 86400] seconds, got {self.rebalance_dwell}")
         if not 0.0 <= self.inject_delay_ms <= 10_000.0:

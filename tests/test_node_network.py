@@ -6,6 +6,7 @@ a state the next expects (the failover test, which kills a node, comes last).
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
@@ -110,9 +111,15 @@ def test_swarm_trains_averages_replicas_and_chain_ce_falls(net):
     for n in (sw.nodes[1], sw.nodes[4]):   # and each one's own check says the round averaged every part
         av = n.get("/v1/status")["averaging"]
         assert av["last_completeness"] == pytest.approx(1.0, abs=0.05) and av["partial"] == 0, av
-    # the other blocks averaged on their own schedule and no honest round was rejected
+    # no honest round was rejected; a block's only holder tries no round (no group can form: its
+    # matchmaking would only burn CPU) and says so
     for n in sw.nodes:
         assert n.get("/v1/status")["averaging"]["rejected"] == 0
+    alone = sw.nodes[0].get("/v1/status")["averaging"]   # block 0 has one holder in this network
+    assert alone["attempted"] == 0 and alone["skipped_alone"] >= 1, alone
+    duty = float(os.environ.get("BT_TRAIN_DUTY", "1"))  # the flag's env var reaches every node
+    me = sw.nodes[0].get("/v1/status")["self"]["train_duty"]
+    assert me["fraction"] == duty and (me["paused_s"] > 0) == (duty < 1), me
     ce_end = client.chain_ce(split.eval, n_windows=8, k=2)["chain_ce"]
     assert ce_end < ce_start - 0.5, (ce_start, ce_end)
     assert ce_end < math.log(256) - 0.5
@@ -170,6 +177,7 @@ def test_killing_a_replica_mid_generation_fails_over_to_the_other(net):
     sw, client, _ = net
     asker = sw.nodes[2]
     probe = asker.post("/v1/generate", {"prompt": "The ", "max_bytes": 2, "mode": "autoregressive"}).json()
+    assert "route" in probe, probe
     used = probe["route"][1]["peer"]           # the block-1 holder this node's router prefers
     victim = next(n for n in (sw.nodes[1], sw.nodes[4]) if n.info["peer_id"] == used)
     survivor = next(n for n in (sw.nodes[1], sw.nodes[4]) if n is not victim)

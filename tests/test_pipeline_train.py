@@ -78,6 +78,8 @@ def test_a_four_process_chain_trains_and_its_ce_falls(tmp_path, objective):
         else:   # streamed: no backward traffic
             assert p0["traffic"]["gradient_bytes_received"] == 0 and p1["traffic"]["gradient_bytes_sent"] == 0
         assert p0["stalled_s"] >= 0 and p0["peak_rss_mib"] > 0 and "stalled_s" in p1
+        duty = n["b0"].get("/v1/status")["self"]["train_duty"]   # block 0 paces micro-batches to --train-duty
+        assert (duty["paused_s"] > 0) == (duty["fraction"] < 1), duty
         metrics = sw.nodes[0].get("/v1/status")["self"]
         assert metrics["loss"] is not None and metrics["step"] > 0
         g = n["b1"].post("/v1/generate", {"prompt": "The ", "max_bytes": 6, "mode": "one_sweep"}, timeout=120)

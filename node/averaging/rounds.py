@@ -33,6 +33,7 @@ class AveragingStats:
     rejected: int = 0
     failed: int = 0
     partial: int = 0          # accepted rounds whose result moved < 90 % of the way to the group's mean
+    skipped_alone: int = 0    # scheduled rounds not tried: no other holder of the block announced
     last_completeness: float | None = None
     last_round_time: float | None = None
     last_accepted_time: float | None = None

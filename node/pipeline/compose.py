@@ -35,7 +35,8 @@ def start_pipeline(node) -> PipelineEngine:
         next_stage = NextStage(client, holders, mode=limits.mode, codec=settings.codec, self_peer=node.peer_id,
                                retries=settings.retries)
     engine = PipelineEngine(t, n_blocks=cfg.n_blocks, loop=node.loop, next_stage=next_stage, settings=settings,
-                            self_peer=node.peer_id, on_step=node._after_step, idle=node._idle, traffic=traffic)
+                            self_peer=node.peer_id, on_step=node._after_step, idle=node._idle, traffic=traffic,
+                            duty=node.duty)
     if next_stage is not None:
         next_stage.on_event = engine.stats.add
     server = PipelineServer(node.p2p, node.run_id, limits, engine.handle, traffic=traffic,

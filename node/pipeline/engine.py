@@ -50,6 +50,7 @@ from typing import Callable
 
 import torch
 
+from blocktrain.node.loops import DutyCycle
 from blocktrain.node.pipeline.settings import PipelineSettings
 from blocktrain.node.pipeline.stats import PipelineStats
 from blocktrain.node.routing.pipeline_route import DownstreamFailed, NextStage
@@ -91,7 +92,8 @@ class _Weights:
 class PipelineEngine:
     def __init__(self, trainer: BlockTrainer, *, n_blocks: int, loop: LoopThread, next_stage: NextStage | None,
                  settings: PipelineSettings, self_peer: str = "", on_step: Callable[[], None] | None = None,
-                 idle: Callable[[], bool] | None = None, traffic: PipelineTraffic | None = None):
+                 idle: Callable[[], bool] | None = None, traffic: PipelineTraffic | None = None,
+                 duty: DutyCycle | None = None):
         self.trainer, self.objective = trainer, trainer.objective
         self.b, self.n_blocks, self.last = trainer.block_index, n_blocks, trainer.block_index == n_blocks - 1
         self.mode = self.objective.chain_training
@@ -102,6 +104,9 @@ class PipelineEngine:
         self.loop, self.next, self.settings, self.self_peer = loop, next_stage, settings, self_peer
         self.on_step, self.idle = on_step or (lambda: None), idle or (lambda: False)
         self.stats = PipelineStats()
+        self.duty = duty or DutyCycle()   # block 0 paces its micro-batches to the node's --train-duty
+        self._owed = 0.0                  # idle seconds the duty cycle asks for before the next micro-batch
+        self._owed_lock = threading.Lock()
         self.traffic = traffic or PipelineTraffic()   # bytes: counted by the wire (client and server side)
         self.accepting = False          # set by the node once it is online (after a late join)
         self._held = 0                  # micro-batches this stage holds (loop thread only)
@@ -298,13 +303,26 @@ class PipelineEngine:
                 if stop.is_set():
                     return
             self.stats.waited(time.monotonic() - t0)
+            with self._owed_lock:
+                owed, self._owed = self._owed, 0.0
+            if owed and stop.wait(owed):
+                slots.release()
+                return
             windows = t.sampler.next_batch(t.cfg.batch_size)
+            started = time.monotonic()
             try:
                 fut = self.loop.submit(self._microbatch(windows))
             except RuntimeError:   # the event loop is gone: the node is stopping
                 slots.release()
                 return
-            fut.add_done_callback(lambda _f: slots.release())
+            fut.add_done_callback(lambda _f, started=started: self._done(slots, started))
+
+    def _done(self, slots: threading.BoundedSemaphore, started: float) -> None:
+        """A micro-batch ended (any outcome): owe its share of the duty cycle's pause, free its slot."""
+        pause = self.duty.pause(time.monotonic() - started, self.settings.inflight)
+        with self._owed_lock:
+            self._owed += pause
+        slots.release()
 
     def _window(self, stop: threading.Event) -> None:
         """GPipe-style flush: ``inflight`` micro-batches sent together, all finished (or lost) before the
@@ -322,6 +340,11 @@ class PipelineEngine:
         while pending and not stop.is_set():
             _, pending = concurrent.futures.wait(pending, timeout=0.5)
         self.stats.waited(time.monotonic() - t0)
+        if stop.is_set():
+            return
+        pause = self.duty.pause(time.monotonic() - t0)
+        if pause:
+            stop.wait(pause)
 
     # -- reporting and teardown ----------------------------------------------------------------------
     def status(self) -> dict:
