@@ -451,22 +451,30 @@ class Discovery:
         else:
             await asyncio.wrap_future(self._loop.submit(self._astop_announcing(withdraw=False)))
 
-    def start_announcing(self, getter: AnnGetter, *, interval: float | None = None) -> None:
+    def start_announcing(self, getter: AnnGetter, *, interval: float | None = None,
+                         first_timeout: float = 15.0) -> None:
         """Announce ``getter()`` now and every ``interval`` (default TTL/3) until :meth:`stop_announcing`.
 
         ``getter`` runs in a worker thread and returns one announcement, several, or None (skip).
+        Returns once the first announcement is stored (or failed, or ``first_timeout`` s passed): a node
+        that says it is ready is then findable, not hidden behind the tombstone it left last time.
         """
         period = self.ttl / 3 if interval is None else float(interval)
         if period <= 0 or period >= self.ttl:
             raise ValueError(f"refresh interval must be in (0, ttl={self.ttl}), got {period}")
-        self._loop.run(self._astart_announcing(getter, period))
+        self._loop.run(self._astart_announcing(getter, period, first_timeout))
 
-    async def _astart_announcing(self, getter: AnnGetter, period: float) -> None:
+    async def _astart_announcing(self, getter: AnnGetter, period: float, first_timeout: float) -> None:
         if self._announce_task is not None and not self._announce_task.done():
             raise RuntimeError("already announcing; call stop_announcing() first")
-        self._announce_task = asyncio.create_task(self._announce_forever(getter, period))
+        first = asyncio.Event()
+        self._announce_task = asyncio.create_task(self._announce_forever(getter, period, first))
+        try:
+            await asyncio.wait_for(first.wait(), first_timeout)
+        except asyncio.TimeoutError:
+            logger.warning("the first announcement took over %.0fs; going on (it keeps trying)", first_timeout)
 
-    async def _announce_forever(self, getter: AnnGetter, period: float) -> None:
+    async def _announce_forever(self, getter: AnnGetter, period: float, first: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
@@ -478,6 +486,7 @@ class Discovery:
                 raise
             except Exception as e:
                 logger.warning("periodic announcement failed (will retry in %.1fs): %s", period, e)
+            first.set()
             await asyncio.sleep(period)
 
     async def _astop_announcing(self, *, withdraw: bool) -> None:

@@ -49,12 +49,16 @@ class RouteLog:
         return [{"block": b, "peer": p} for b, p in sorted(self.hops.items())]
 
 
+REREAD_S = 1.0   # seconds between DHT reads for a block with no holder seen yet (see discovery_grace_s)
+
+
 class Router:
     def __init__(self, discovery, client, run_id: str, n_blocks: int, *,
                  local_hops: dict[int, Hop] | None = None, self_peer: str = "",
                  hop_timeout: float = 20.0, max_parallel: int = 4, max_inflight: int = 16,
                  stranger_hedge_s: float = 0.5,
-                 holders_ttl: float = 3.0, bans: PeerBans | None = None, ranking: HolderRanking | None = None):
+                 holders_ttl: float = 3.0, bans: PeerBans | None = None, ranking: HolderRanking | None = None,
+                 discovery_grace_s: float = 5.0):
         self.discovery, self.client, self.run_id, self.n_blocks = discovery, client, run_id, n_blocks
         self.local_hops = dict(local_hops or {})
         self.self_peer = self_peer
@@ -63,6 +67,10 @@ class Router:
         self.bans = bans or PeerBans()
         self.ranking = ranking or HolderRanking()
         self.holders_ttl = holders_ttl
+        # a block nobody is seen to hold yet is looked up again (every REREAD_S) for this long before
+        # its hop fails: a holder that just (re)started is stored in the DHT but not yet seen by every
+        # reader for a moment, and a request should not fail on that (Petals' clients retry likewise)
+        self.discovery_grace_s = discovery_grace_s
         self._holders: tuple[float, dict] = (-1e9, {})
         self._holders_lock = threading.Lock()
 
@@ -105,6 +113,7 @@ class Router:
 
     def _race(self, b: int, req: HopRequest, route: RouteLog, known: list[str]) -> HopResult:
         deadline = time.monotonic() + self.hop_timeout
+        grace_end = time.monotonic() + min(self.discovery_grace_s, self.hop_timeout)
         tried: set[str] = set()
         failed = 0
         refreshed = not known
@@ -118,11 +127,15 @@ class Router:
                 now = time.monotonic()
                 if now >= deadline:
                     break
-                if not queue and not inflight and not refreshed:   # one fresh read of the DHT
+                # out of holders: one fresh read of the DHT; while none was ever seen, more within the grace
+                if not queue and not inflight and (not refreshed or (not tried and now < grace_end)):
+                    if refreshed:
+                        time.sleep(min(REREAD_S, grace_end - now))
                     refreshed = True
                     fresh = self.candidates(b, self.bans.banned() | tried, fresh=True)
                     known[:] = list(dict.fromkeys([*known, *fresh]))
                     queue = fresh
+                    continue
                 if not queue and not inflight:
                     break
                 # a request is young until its hedge delay has passed; only young ones hold back the next
