@@ -52,9 +52,11 @@ KINDS = ("main", "dht", "averager", "p2pd", "torch_shm_manager", "other")
 # layout name -> (what it is, environment). Each layout starts from the bench's environment without
 # any of KNOBS, so "after" is the node's default and each other layout names every setting it changes.
 KNOBS = ("BT_HIVEMIND_IN", "HIVEMIND_MEMORY_SHARING_STRATEGY", "BT_TORCH_OPTIM", "BT_TUNE_MALLOC", "GOGC",
-         "GOMEMLIMIT", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX", "BT_EAGER_IMPORTS")
+         "GOMEMLIMIT", "BT_RELEASE_PAGES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX",
+         "BT_EAGER_IMPORTS")
 _EAGER = {"BT_EAGER_IMPORTS": "scipy,cli"}   # the imports as they were before the lazy ones (lean1 and older)
-_OLD = {"BT_TORCH_OPTIM": "1", "BT_TUNE_MALLOC": "0", "GOGC": "100", "GOMEMLIMIT": "off", **_EAGER}
+_KEEP = {"BT_RELEASE_PAGES": "0"}   # start-up's library code pages kept mapped (lean2 and older)
+_OLD = {"BT_TORCH_OPTIM": "1", "BT_TUNE_MALLOC": "0", "GOGC": "100", "GOMEMLIMIT": "off", **_EAGER, **_KEEP}
 LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {
     "before": ("hivemind's DHT and averager as forked processes, file_system sharing (torch_shm_manager), "
                "torch.optim.AdamW, glibc and Go defaults: the node before issue 15's lean work",
@@ -65,15 +67,18 @@ LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {
                       {"BT_HIVEMIND_IN": "thread", "HIVEMIND_MEMORY_SHARING_STRATEGY": "file_descriptor",
                        **_OLD, "BT_TORCH_OPTIM": "0"}),
     "lean1": ("as threads-adamw, with glibc heap trimming and p2pd GOGC=25 GOMEMLIMIT=24MiB: the default "
-              "of commit add0075", {**_EAGER, "GOMEMLIMIT": "24MiB"}),
+              "of commit add0075", {**_EAGER, **_KEEP, "GOMEMLIMIT": "24MiB"}),
     "lazy-scipy": ("as lean1, with scipy.optimize (which hivemind imports, a node never calls) deferred",
-                   {"BT_EAGER_IMPORTS": "cli", "GOMEMLIMIT": "24MiB"}),
-    "gomemlimit": ("as after, with p2pd's GOMEMLIMIT=24MiB (the default until 2026-12-01: dropped for the "
-                   "daemon CPU it costs when streaming)", {"GOMEMLIMIT": "24MiB"}),
-    "after": ("the default: as lazy-scipy, and bt-node imports its bench and offline commands only when "
-              "invoked; p2pd with GOGC=25 only", {}),
-    "arena1": ("as after, with MALLOC_ARENA_MAX=1 (one glibc heap for all threads; tried, not the default)",
-               {"MALLOC_ARENA_MAX": "1"}),
+                   {"BT_EAGER_IMPORTS": "cli", **_KEEP, "GOMEMLIMIT": "24MiB"}),
+    "lean2": ("as lazy-scipy, and bt-node imports its bench and offline commands only when invoked; p2pd "
+              "with GOGC=25 only: the default of commit f1eef15", {**_KEEP}),
+    "gomemlimit": ("as lean2, with p2pd's GOMEMLIMIT=24MiB (the default until 2026-12-01: dropped for the "
+                   "daemon CPU it costs when streaming)", {**_KEEP, "GOMEMLIMIT": "24MiB"}),
+    "arena1": ("as lean2, with MALLOC_ARENA_MAX=1 (one glibc heap for all threads; tried, not the default)",
+               {**_KEEP, "MALLOC_ARENA_MAX": "1"}),
+    "after": ("the default: as lean2, and the library code pages touched while starting unmapped once the "
+              "node has started (node/memory.py release_startup_pages)", {}),
+    "arena2": ("as after, with MALLOC_ARENA_MAX=2", {"MALLOC_ARENA_MAX": "2"}),
 }
 
 
