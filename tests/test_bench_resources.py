@@ -124,6 +124,9 @@ def test_bench_node_memory_reads_every_process_of_a_real_node_and_the_default_ha
         assert run["overhead_pss_mb"] == pytest.approx(run["total_pss_mb"] - run["tensors_mb"])
         assert run["meets_target"] == (run["overhead_mb"] <= r["target_overhead_mb"])
     assert after["total_pss_mb"] < before["total_pss_mb"]   # two fewer python processes and no shm manager
+    # the default unmaps start-up's library code pages (node/memory.py); "before" keeps them mapped
+    assert after["per_kind"]["main"]["rss_file_mb"] < 0.75 * before["per_kind"]["main"]["rss_file_mb"], \
+        (after["per_kind"]["main"], before["per_kind"]["main"])
     if os.geteuid() == 0:   # "alone" reads physical frame numbers, which only root sees
         # a page the node's own processes share counts once: the forked DHT and averager children share
         # most of the main process's pages (torch's among them), so "alone" is far below the RSS sum...
