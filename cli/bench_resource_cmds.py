@@ -170,18 +170,22 @@ def bench_throughput_cmd(config_path, objective, overrides, warmup, iters, block
 
 def node_memory_table(res: dict) -> Table:
     runs = res["runs"]
-    t = Table(title="bench node-memory: one real node's PSS (MB) per process, median of readings")
+    t = Table(title="bench node-memory: one real node's RSS (MB) per process, median of readings")
     t.add_column("process")
     for r in runs:
         t.add_column(r["layout"], justify="right")
     for kind in KINDS:
         if any(r["per_kind"][kind]["processes"] for r in runs):
-            t.add_row(kind, *[_f(r["per_kind"][kind]["pss_mb"]) if r["per_kind"][kind]["processes"] else "-"
+            t.add_row(kind, *[_f(r["per_kind"][kind]["rss_mb"]) if r["per_kind"][kind]["processes"] else "-"
                               for r in runs])
-    t.add_row("total", *[_f(r["total_pss_mb"]) for r in runs])
-    t.add_row("total USS", *[_f(r["total_uss_mb"]) for r in runs])
+    t.add_row("total RSS (judged)", *[_f(r["total_rss_mb"]) for r in runs])
+    t.add_row("  anonymous / file", *[f"{r['total_rss_anon_mb']:.1f} / {r['total_rss_file_mb']:.1f}" for r in runs])
+    t.add_row("alone (distinct pages)", *["-" if r["total_alone_mb"] is None else _f(r["total_alone_mb"])
+                                          for r in runs])
+    t.add_row("PSS / USS (shared-page dependent)", *[f"{r['total_pss_mb']:.1f} / {r['total_uss_mb']:.1f}"
+                                                     for r in runs])
     t.add_row("block tensors", *[_f(r["tensors_mb"], ".2f") for r in runs])
-    t.add_row("overhead", *[_f(r["overhead_mb"]) for r in runs])
+    t.add_row("overhead (RSS - tensors)", *[_f(r["overhead_mb"]) for r in runs])
     t.add_row(f"<= {res['target_overhead_mb']:.0f} MB", *["met" if r["meets_target"] else "NOT met" for r in runs])
     t.caption = "; ".join(f"{r['layout']}: {r['what']}" for r in runs)
     return t
@@ -207,8 +211,10 @@ def bench_node_memory_cmd(overrides, layouts, data, settle, samples, interval, h
     block's own tensors, for each layout of hivemind's DHT and averager loops.
 
     \b
-    PSS per process (main, DHT, averager, p2pd, torch_shm_manager), the block's tensors (params,
-    grads, AdamW moments, the averager's copy) and overhead = total - tensors, against 300 MB.
+    RSS per process (main, DHT, averager, p2pd, torch_shm_manager), the block's tensors (params,
+    grads, AdamW moments, the averager's copy) and overhead = total RSS - tensors, against 300 MB
+    (RSS does not depend on what else runs; PSS and USS, also given, fall as other processes
+    share libtorch's pages; "alone" counts the node's distinct physical pages, root only).
     Example:
       bt-node bench node-memory --layout before --layout after
     """

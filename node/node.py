@@ -32,7 +32,7 @@ from blocktrain.node import generation
 from blocktrain.node.auth import RunAuth
 from blocktrain.node.averaging.rounds import BlockAverager
 from blocktrain.node.loops import DutyCycle, Loop, Teardown
-from blocktrain.node.memory import tune_malloc
+from blocktrain.node.memory import release_startup_pages, tune_malloc
 from blocktrain.node.options import NodeOptions
 from blocktrain.node.reachability import Reachability
 from blocktrain.node.pipeline.compose import start_pipeline
@@ -162,6 +162,7 @@ class Node:
             from blocktrain.node.rebalance import Rebalancer
             self.rebalancer = Rebalancer(self, dwell_s=o.rebalance_dwell, period_s=o.ttl / 3)
             self._start_loop("rebalance", self.rebalancer.run)
+        release_startup_pages()   # node/memory.py: library code touched only while starting
         return self
 
     def _stop_averagers(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -109,13 +110,32 @@ def test_bench_node_memory_reads_every_process_of_a_real_node_and_the_default_ha
     assert kinds(after) == {"main", "p2pd"}, after["per_kind"]
     assert r["block_tensors"]["tensor_bytes"] == 5 * r["block_tensors"]["param_bytes"] > 0
     for run in (before, after):
-        assert all(v["pss_mb"] > 0 for k, v in run["per_kind"].items() if v["processes"])
-        lo, hi = run["total_pss_mb_range"]
-        assert lo <= run["total_pss_mb"] <= hi
-        assert 0 < run["total_uss_mb"] <= run["total_pss_mb"]   # private pages only: no share of libraries
-        assert run["overhead_mb"] == pytest.approx(run["total_pss_mb"] - run["tensors_mb"])
+        assert all(v["pss_mb"] > 0 and v["rss_mb"] >= v["uss_mb"] for k, v in run["per_kind"].items()
+                   if v["processes"])
+        for m in ("rss", "pss"):
+            lo, hi = run[f"total_{m}_mb_range"]
+            assert lo <= run[f"total_{m}_mb"] <= hi
+        assert 0 < run["total_uss_mb"] <= run["total_pss_mb"] <= run["total_rss_mb"]
+        # RSS = its anonymous + file-backed parts (read a moment apart: a little slack)
+        assert run["total_rss_anon_mb"] + run["total_rss_file_mb"] == pytest.approx(run["total_rss_mb"], abs=3)
+        assert run["total_rss_file_mb"] > 10   # libtorch's code pages are file-backed
+        # judged on the RSS sum, the figure other processes on the machine cannot lower
+        assert run["overhead_mb"] == pytest.approx(run["total_rss_mb"] - run["tensors_mb"])
+        assert run["overhead_pss_mb"] == pytest.approx(run["total_pss_mb"] - run["tensors_mb"])
         assert run["meets_target"] == (run["overhead_mb"] <= r["target_overhead_mb"])
     assert after["total_pss_mb"] < before["total_pss_mb"]   # two fewer python processes and no shm manager
+    # the default unmaps start-up's library code pages (node/memory.py); "before" keeps them mapped
+    assert after["per_kind"]["main"]["rss_file_mb"] < 0.75 * before["per_kind"]["main"]["rss_file_mb"], \
+        (after["per_kind"]["main"], before["per_kind"]["main"])
+    if os.geteuid() == 0:   # "alone" reads physical frame numbers, which only root sees
+        # a page the node's own processes share counts once: the forked DHT and averager children share
+        # most of the main process's pages (torch's among them), so "alone" is far below the RSS sum...
+        assert before["total_alone_mb"] < before["total_rss_mb"] - 100, before
+        assert before["total_alone_mb"] >= before["per_kind"]["main"]["rss_mb"] - 3
+        # ...while the default's main process and p2pd share nothing: "alone" is the RSS sum
+        assert after["total_alone_mb"] == pytest.approx(after["total_rss_mb"], abs=3)
+    else:
+        assert before["total_alone_mb"] is None
 
 
 def test_a_pipeline_block_is_measured_with_its_stash():

@@ -80,3 +80,66 @@ def test_lazy_cli_lists_and_runs_every_command():
     assert sub.exit_code == 0 and "--layout" in sub.output
     bad = runner.invoke(cli, ["bench", "no-such-bench"])
     assert bad.exit_code == 2 and "No such command" in bad.output
+
+
+RELEASE_PROBE = r"""
+import json, sys, torch
+from blocktrain.node.memory import release_startup_pages
+def rss_file():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssFile:"))
+torch.manual_seed(0)
+m = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+x = torch.randn(4, 32)
+def step():
+    m.zero_grad()
+    y = m(x)
+    y.square().mean().backward()
+    return y.detach().clone(), m[0].weight.grad.clone()
+y0, g0 = step()
+before = rss_file()
+released = release_startup_pages()
+after = rss_file()
+y1, g1 = step()   # the unmapped code pages fault back in: same results
+print(json.dumps({"before": before, "after": after, "released": released,
+                  "same": bool(torch.equal(y0, y1) and torch.equal(g0, g1))}))
+"""
+
+
+def _release_probe(flag: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "BT_RELEASE_PAGES"}
+    env["OMP_NUM_THREADS"] = "1"
+    if flag is not None:
+        env["BT_RELEASE_PAGES"] = flag
+    r = subprocess.run([sys.executable, "-c", RELEASE_PROBE], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_released_library_pages_leave_rss_and_fault_back_in_with_the_same_results():
+    out = _release_probe(None)
+    assert out["same"], out
+    # importing torch maps tens of MB of libtorch's code; unmapped, they leave the process's RSS
+    assert out["released"] > 20e6 and out["after"] < out["before"] - 20e6, out
+    kept = _release_probe("0")   # the switch the bench's older layouts use
+    assert kept["same"] and kept["released"] == 0 and kept["after"] >= kept["before"] - 2e6, kept
+
+
+def test_only_never_written_read_only_library_mappings_are_released():
+    from blocktrain.node.memory import _code_mappings
+
+    def mapping(addr, perms, path, rss=8, anon=0, dirty=0, flags="rd ex mr mw me"):
+        return (f"{addr:x}-{addr + 0x1000:x} {perms} 00000000 fe:00 1 {path}\n"
+                f"Rss: {rss} kB\nShared_Dirty: 0 kB\nPrivate_Dirty: {dirty} kB\nAnonymous: {anon} kB\n"
+                f"VmFlags: {flags}\n")
+    smaps = "".join([
+        mapping(0x1000, "r-xp", "/usr/lib/libtorch_cpu.so"),             # code: released
+        mapping(0x3000, "r--p", "/usr/lib/libc.so.6"),                   # read-only data: released
+        mapping(0x5000, "r--p", "/usr/lib/libc.so.6", anon=4, dirty=4),  # relocated (RELRO): written, kept
+        mapping(0x7000, "rw-p", "/usr/lib/libc.so.6"),                   # writable: kept
+        mapping(0x9000, "r-xp", "/usr/lib/libx.so", flags="rd ex lo"),   # mlock()ed: kept
+        mapping(0xb000, "r--p", "/data/corpus.bin"),                     # not a library: kept
+        mapping(0xd000, "r-xp", "/usr/bin/python3.11"),                  # the interpreter: released
+        mapping(0xf000, "r-xp", "/usr/lib/liby.so", rss=0),              # nothing resident: skipped
+        mapping(0x11000, "r-xs", "/usr/lib/libz.so"),                    # shared mapping: kept
+    ])
+    assert _code_mappings(smaps, "/usr/bin/python3.11") == [(0x1000, 0x2000), (0x3000, 0x4000), (0xd000, 0xe000)]
