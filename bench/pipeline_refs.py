@@ -60,7 +60,11 @@ def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: fl
         wall = lambda: time.time() - t0 - off_wall            # noqa: E731
         cpu = lambda: time.process_time() - c0 - off_cpu      # noqa: E731
         pending = sorted(m for m in marks if m > 0)
-        curve, at_cpu = [], None
+        curve, at_cpu, at_wall = [], None, None
+
+        def snapshot(w: torch.Tensor) -> dict:
+            return {"cpu_s": round(cpu(), 2), "wall_s": round(wall(), 2), "steps": steps,
+                    "tokens": steps * cfg.batch_size * cfg.seq_len, "ce": score(w)}
 
         def score(w: torch.Tensor) -> float:
             nonlocal off_wall, off_cpu
@@ -75,22 +79,22 @@ def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: fl
 
         while True:
             while pending and cpu() >= pending[0]:
-                curve.append({"mark_cpu_s": pending.pop(0), "cpu_s": round(cpu(), 2), "wall_s": round(wall(), 2),
-                              "steps": steps, "ce": score(curve_w if curve_w is not None else eval_w)})
+                curve.append({"mark_cpu_s": pending.pop(0), **snapshot(curve_w if curve_w is not None else eval_w)})
             if cpu_seconds is not None and at_cpu is None and cpu() >= cpu_seconds:
-                at_cpu = {"cpu_budget_s": cpu_seconds, "cpu_s": round(cpu(), 2), "wall_s": round(wall(), 2),
-                          "steps": steps, "tokens": steps * cfg.batch_size * cfg.seq_len, "ce": score(eval_w)}
-            if ((seconds is None or wall() >= seconds) and (windows_n is None or steps * cfg.batch_size >= windows_n)
+                at_cpu = {"cpu_budget_s": cpu_seconds, **snapshot(eval_w)}
+            if seconds is not None and at_wall is None and wall() >= seconds:
+                at_wall = snapshot(eval_w)   # a loaded machine: the CPU budget may come after the wall time
+            if ((seconds is None or at_wall is not None) and (windows_n is None or steps * cfg.batch_size >= windows_n)
                     and (cpu_seconds is None or at_cpu is not None) and not pending):
                 break
             w = sampler.next_batch(cfg.batch_size).to(dev)
             optimizer_step(model, opt, cfg, steps, reference_loss_fn(model, w))
             steps += 1
-        train_wall, train_cpu = wall(), cpu()
-        ce = at_cpu["ce"] if seconds is None and windows_n is None and at_cpu is not None else score(eval_w)
+        # the headline: at the wall-time budget if given, else the windows budget (the end), else the CPU budget
+        end = at_wall or (snapshot(eval_w) if windows_n is not None or at_cpu is None else at_cpu)
         hwm = _rss_kib("VmHWM")
-        q.put({"ce": ce, "steps": steps, "tokens": steps * cfg.batch_size * cfg.seq_len,
-               "train_wall_s": round(train_wall, 1), "train_cpu_s": round(train_cpu, 1), "at_cpu": at_cpu,
+        q.put({"ce": end["ce"], "steps": end["steps"], "tokens": end["tokens"],
+               "train_wall_s": round(end["wall_s"], 1), "train_cpu_s": round(end["cpu_s"], 1), "at_cpu": at_cpu,
                "curve": curve, "n_layers": n_layers, "params": sum(p.numel() for p in model.parameters()),
                "peak_rss_mib": hwm / 1024, "training_state_rss_mib": (hwm - rss0) / 1024})
     except BaseException as e:   # noqa: BLE001 (reported to the parent, which raises it)
@@ -102,9 +106,10 @@ def train_reference(cfg_dict: dict, data: str, n_layers: int, eval_w: torch.Tens
                     marks: list[float] = (), curve_w: torch.Tensor | None = None, device: str = "cpu",
                     seed: int = 0, timeout: float = 3600.0) -> dict:
     """Train one reference in a fresh process until every budget given is spent: ``seconds`` of training
-    wall time, ``windows_n`` windows, ``cpu_seconds`` of its own process CPU time (scored on ``eval_w`` when
-    that is reached: ``at_cpu``); scored on ``curve_w`` (else ``eval_w``) at each CPU-seconds mark of
-    ``marks`` (``curve``), and on ``eval_w`` at the end (``ce``; with a CPU budget alone, ``at_cpu``'s)."""
+    wall time, ``windows_n`` windows, ``cpu_seconds`` of its own process CPU time; scored on ``eval_w`` when
+    each is reached (``ce``, ``steps``, ``train_wall_s``: at ``seconds`` if given, else at ``windows_n``, else
+    at ``cpu_seconds``; ``at_cpu``: at ``cpu_seconds``), and on ``curve_w`` (else ``eval_w``) at each
+    CPU-seconds mark of ``marks`` (``curve``). Scoring is off both clocks."""
     if seconds is None and windows_n is None and cpu_seconds is None:
         raise ValueError("a reference needs a budget: seconds, windows or CPU seconds")
     ctx = mp.get_context("spawn")
