@@ -314,6 +314,7 @@ train_reference(cfg.to_dict(), sys.argv[1], 1, torch.zeros(2, cfg.seq_len + 1, d
 """
 
 
+@pytest.mark.slow   # a spawned child importing torch and training 3 CPU-s: 44 s at load 10 on 2 cores
 def test_sigkilled_bench_leaves_no_reference_process(tmp_path):
     parent = psutil.Popen([sys.executable, "-c", REF_PROGRAM, str(TEST_CORPUS), *TINY],
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
