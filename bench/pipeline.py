@@ -174,7 +174,7 @@ class _Network:
             while time.time() - t0 < s.train_s:
                 time.sleep(min(2.0, max(0.1, s.train_s - (time.time() - t0))))
                 self._poll()
-                if client is not None and time.time() - t0 >= next_curve and s.train_s - (time.time() - t0) > 5:
+                if client is not None and time.time() - t0 >= next_curve:
                     next_curve += s.curve_every
                     self._curve_point(client, t0, cpu0)
             end, seconds, cpu1 = self._poll(), time.time() - t0, self._cpu()
