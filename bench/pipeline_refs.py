@@ -3,8 +3,10 @@
 * ``whole``: the whole-size model (``ReferenceLM`` of the chain's total depth) trained end to end
   on as many training windows as the ``pipeline`` network's block 0 sent through the chain
   (equal tokens, target 1);
-* ``one_block``: a one-block-size ``ReferenceLM`` that one worker trains alone in the same wall
-  time as each network (target 2).
+* ``one_block``: a one-block-size ``ReferenceLM`` that one worker trains alone (target 2), scored
+  when its own process CPU time reaches the CPU-seconds one ``pipeline`` worker used (the fair
+  budget: a worker on a real network has its own machine), at the CPU-seconds of the network's
+  curve points, and after the same wall time as each network (on the bench's shared machine).
 
 A spawned child (one torch thread, like a worker) trains and scores the model on the bench's
 held-out windows and reports its peak resident set (``VmHWM``, which, like a worker's, includes
