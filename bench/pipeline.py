@@ -10,6 +10,9 @@ before its first micro-batch). Then:
   block (r = 0, 1, ...; the last replica where a block has fewer) is scored in this process on the
   same held-out windows for every objective, and the mean over replica chains is reported, with
   the untrained chain's CE for scale;
+* CPU: each worker's node process CPU time (user + system, every thread; ``/proc/PID/stat``) during
+  the window, and with its children (p2pd) for information: what one worker would have had of its
+  own machine is the mean (min, max) of the former;
 * throughput: tokens per second of each block (its holders' samples during the window x seq_len),
   the chain's figure being the slowest block's;
 * traffic: bytes each worker sent for training (pipeline RPC messages, as ``/metrics`` counts
@@ -17,17 +20,29 @@ before its first micro-batch). Then:
 * memory: the peak resident set of each worker's node process (``VmHWM``; its DHT and p2pd
   children not included); stalled time and micro-batches lost from the pipeline engine's counters;
 * serving: one holder per block restarts from those checkpoints with ``--inject-delay-ms D`` (each
-  hop's round trip gains 2 D) and ``--max-steps 0``, and a client generates ``gen_bytes`` bytes
-  (``paper``: one sweep; the others one traversal per byte): traversals and wall time.
+  hop's round trip gains 2 D) and ``--max-steps 0``, and a client generates ``gen_bytes`` bytes in
+  the objective's own fastest mode (``one_sweep``: ``paper`` one traversal for all of them,
+  ``pipeline-chunked`` one per chunk of ``chunk_len`` bytes, the autoregressive ones one per byte):
+  traversals as counted on the route, and wall time;
+* along the way (``curve_every`` > 0): every ``curve_every`` s a client in this process exports the
+  chain (one live holder per block) and the snapshots are scored after training on the first
+  ``curve_windows`` held-out windows, each against the workers' mean CPU-seconds at that moment.
 
-The two references of issue 13 are trained here too, each in a fresh process
-(``bench/pipeline_refs.py``): the whole-size model end to end on as many windows as the ``pipeline``
-network's block 0 sent (equal tokens), and the one-block model one worker trains alone in the same
-wall time; both scored on the same held-out windows, with their peak memory.
+The references of issue 13 are trained here too, each in a fresh process (``bench/pipeline_refs.py``):
+the whole-size model end to end on as many windows as the ``pipeline`` network's block 0 sent (equal
+tokens), and the one-block model one worker trains alone, one process scored twice: once its own CPU
+time reaches the mean CPU-seconds one ``pipeline`` worker used in the window (the fair reference: a
+worker on a real network has its own machine), and after the same wall time as each network (on this
+shared machine a network's workers split the cores while that process has one to itself); and along
+the way at the CPU-seconds of the network's curve points. All scored on the same held-out windows.
 
 Presets: the default (CPU, sized for a 2-core machine), ``tiny`` (seconds, for the test) and
 ``h200`` (bf16 autocast on one CUDA device shared by every worker, sized for at most 8 minutes on
 one H200; its plan is :func:`plan_seconds`). Figures: run it; none are recorded here.
+
+About 430 lines: the bench's settings, one network's run and report, its curve, serving and the
+references' orchestration belong together; the plot (``pipeline_plot.py``), the references' child
+(``pipeline_refs.py``) and the CPU reading (``proc_cpu.py``) are apart.
 """
 from __future__ import annotations
 
@@ -42,6 +57,7 @@ from typing import Callable
 import torch
 
 from blocktrain.bench.pipeline_refs import train_reference
+from blocktrain.bench.proc_cpu import cpu_s as _cpu_s, diff as _diff, spread as _spread
 from blocktrain.bench.swarm import _env, _metrics, init_blocks
 from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.config import ModelConfig
@@ -78,8 +94,12 @@ class PipelineBenchSettings:
     data: str = "auto"
     device: str = "cpu"             # --device of every worker and of the references (cuda: bf16 autocast)
     references: bool = True         # train the whole-size and one-block references (issue 13)
+    wall_reference: bool = True     # the one-block reference also trains for the same wall time (not only CPU-s)
+    curve_every: float = 0.0        # s between chain exports during training (0: no curve)
+    curve_windows: int = 256        # held-out windows (the first of eval_windows) each curve point is scored on
     serving: bool = True            # measure each objective's serving cost (a second network per objective)
     preset: str = "cpu"
+    seed: int = 0                   # every worker's --seed (data order) and init_seed; the references' too
 
     @classmethod
     def tiny(cls) -> "PipelineBenchSettings":
@@ -126,9 +146,9 @@ class _Network:
 
     def __init__(self, objective: str, s: PipelineBenchSettings, base: Path, data_used: str):
         self.objective, self.s, self.base = objective, s, base / _slug(objective)
-        self.sets = [*s.overrides, f"objective={objective}"]
+        self.sets = [*s.overrides, f"objective={objective}", *([f"init_seed={s.seed}"] if s.seed else [])]
         self.cfg = ModelConfig.from_dict(typed_settings(self.sets), source="bench pipeline config")
-        extra = ["--device", s.device, "--average-every", str(s.average_every), "--checkpoint-every", str(10**9),
+        extra = ["--device", s.device, "--seed", str(s.seed), "--average-every", str(s.average_every), "--checkpoint-every", str(10**9),
                  "--pipeline-inflight", str(s.inflight), "--pipeline-compression", s.compression,
                  "--pipeline-weight-stash" if s.weight_stash else "--no-pipeline-weight-stash"]
         if s.flush:
@@ -149,19 +169,48 @@ class _Network:
                 self.blocks.append(s.plan[i])
             for nd in self.swarm.nodes[1:]:
                 nd.wait_ready(timeout=240)
-        start = self._poll()
-        t0 = time.time()
-        say(f"{self.objective}: {len(self.blocks)} workers up; training {s.train_s:.0f}s")
-        while time.time() - t0 < s.train_s:
-            time.sleep(min(2.0, max(0.1, s.train_s - (time.time() - t0))))
-            self._poll()
-        end, seconds = self._poll(), time.time() - t0
+        client = self._curve_client() if s.curve_every > 0 else None
+        try:
+            start = self._poll()
+            t0, cpu0 = time.time(), self._cpu()
+            say(f"{self.objective}: {len(self.blocks)} workers up; training {s.train_s:.0f}s")
+            next_curve = s.curve_every
+            while time.time() - t0 < s.train_s:
+                time.sleep(min(2.0, max(0.1, s.train_s - (time.time() - t0))))
+                self._poll()
+                if client is not None and time.time() - t0 >= next_curve:
+                    next_curve += s.curve_every
+                    self._curve_point(client, t0, cpu0)
+            end, seconds, cpu1 = self._poll(), time.time() - t0, self._cpu()
+        finally:
+            if client is not None:
+                client.close()
         mets = [_metrics(nd) for nd in self.swarm.nodes]
         mem = [_peak_rss_mib(nd.proc.pid) for nd in self.swarm.nodes]
         # graceful: every worker writes its final checkpoint. A loaded 2-core machine can take over 40 s to
         # finish the in-flight micro-batches and write it; a worker killed first leaves none (an error below)
         self.swarm.stop_all(timeout=STOP_GRACE_S)
-        return self._report(start, end, mets, mem, seconds)
+        return self._report(start, end, mets, mem, seconds, [_diff(a, b) for a, b in zip(cpu0, cpu1)])
+
+    def _cpu(self) -> list[tuple[float, float] | None]:
+        return [_cpu_s(nd.proc.pid) for nd in self.swarm.nodes]
+
+    def _curve_client(self):
+        from blocktrain.node.client import NetworkClient
+        self.curve: list[dict] = []
+        return NetworkClient([self.swarm.seed_maddr], self.swarm.run_id)
+
+    def _curve_point(self, client, t0: float, cpu0: list) -> None:
+        """Export the chain now (one live holder per block) for scoring after training; a failed export is
+        recorded and skipped."""
+        wall, cpu = time.time() - t0, [_diff(a, b) for a, b in zip(cpu0, self._cpu())]
+        out = self.base / "curve" / f"{len(self.curve):03d}"
+        try:
+            client.export(out, timeout=60)
+            self.curve.append({"wall_s": round(wall, 1), "cpu_s": _spread([c[0] for c in cpu if c])["mean"],
+                               "dir": str(out)})
+        except Exception as e:   # noqa: BLE001 (a loaded machine: the point is lost, the run goes on)
+            self.curve.append({"wall_s": round(wall, 1), "error": f"{type(e).__name__}: {e}"})
 
     def _poll(self) -> list[dict]:
         out = []
@@ -171,10 +220,10 @@ class _Network:
             out.append(nd.get("/v1/status", timeout=30))
         return out
 
-    def _report(self, start, end, mets, mem, seconds) -> dict:
+    def _report(self, start, end, mets, mem, seconds, cpu) -> dict:
         T = self.cfg.seq_len
         workers = []
-        for nd, b, st0, st, m, rss in zip(self.swarm.nodes, self.blocks, start, end, mets, mem):
+        for nd, b, st0, st, m, rss, c in zip(self.swarm.nodes, self.blocks, start, end, mets, mem, cpu):
             pipe = st["self"].get("pipeline") or {}
             steps = st["self"]["step"] - st0["self"]["step"]
             sent = int(m.get("pipeline_wire_bytes_sent_total", 0) + st["averaging"].get("bytes_sent", 0))
@@ -186,6 +235,7 @@ class _Network:
                 "pipeline_bytes_sent": int(m.get("pipeline_wire_bytes_sent_total", 0)),
                 "averaging_bytes_sent": int(st["averaging"].get("bytes_sent", 0)),
                 "averaging_rounds_ok": st["averaging"]["succeeded"], "peak_rss_mib": rss,
+                "cpu_s": c and round(c[0], 2), "cpu_s_with_children": c and round(c[1], 2),
                 "stalled_s": pipe.get("stalled_s"), "lost": pipe.get("lost"), "completed": pipe.get("completed"),
                 "failed_calls": pipe.get("failed_calls"), "recomputed": pipe.get("recomputed"),
                 "recomputed_stashed": pipe.get("recomputed_stashed"), "lost_by_reason": pipe.get("lost_by_reason"),
@@ -205,7 +255,27 @@ class _Network:
                 "peak_rss_mib_max": max((w["peak_rss_mib"] or 0) for w in workers),
                 "stalled_s_total": sum(w["stalled_s"] or 0 for w in workers),
                 "microbatches_lost": sum(w["lost"] or 0 for w in workers),
-                "microbatches_completed": sum(w["completed"] or 0 for w in workers)}
+                "microbatches_completed": sum(w["completed"] or 0 for w in workers),
+                "cpu_s_per_worker": _spread([w["cpu_s"] for w in workers if w["cpu_s"] is not None]),
+                "cpu_s_per_worker_with_children": _spread([w["cpu_s_with_children"] for w in workers
+                                                           if w["cpu_s_with_children"] is not None]),
+                "curve": getattr(self, "curve", [])}
+
+
+def _score_curve(obj, cfg: ModelConfig, curve: list[dict], windows: torch.Tensor) -> None:
+    """Score each exported chain of ``curve`` (in place: ``ce``) and drop its files."""
+    for pt in curve:
+        if "dir" not in pt:
+            continue
+        d = Path(pt.pop("dir"))
+        chain = []
+        for b in range(cfg.n_blocks):
+            m = obj.build_block(b)
+            m.load_state_dict(ckpt.load_block(d / ckpt.block_filename(b), expected_config_hash=cfg.config_hash,
+                                              expected_block=b).tensors)
+            chain.append(m.eval())
+        pt["ce"] = obj.score(obj.local_hops(chain), windows, k=2, generator=torch.Generator().manual_seed(0)).ce
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def _load_chains(cfg: ModelConfig, workers: list[dict]) -> list[list[torch.nn.Module]]:
@@ -227,9 +297,11 @@ def _load_chains(cfg: ModelConfig, workers: list[dict]) -> list[list[torch.nn.Mo
 
 def _serve(cfg: ModelConfig, sets: list[str], chain_ckpts: list[str], s: PipelineBenchSettings, base: Path,
            data_used: str, prompt: bytes) -> dict:
-    """One holder per block, restarted from the trained checkpoints with injected delay; one generation."""
+    """One holder per block, restarted from the trained checkpoints with injected delay; one generation in
+    ``one_sweep``, each objective's fastest mode (one traversal per byte for an autoregressive chain, per
+    chunk for ``pipeline-chunked``, one in all for ``paper``); traversals as the route counted them."""
     obj = get_objective(cfg)
-    mode = "one_sweep" if obj.name == "paper" else "autoregressive"
+    mode = "one_sweep"
     swarm = LocalSwarm(base, run_id=f"serve-{_slug(obj.name)}", overrides=sets, data=data_used,
                        extra_args=["--device", s.device, "--max-steps", "0", "--average-every", str(10**9),
                                    "--average-period", "1e9", "--inject-delay-ms", repr(float(s.delay_ms))])
@@ -254,6 +326,7 @@ def _serve(cfg: ModelConfig, sets: list[str], chain_ckpts: list[str], s: Pipelin
         out = client.generate(prompt, s.gen_bytes, mode)
         wall = time.perf_counter() - t0
         return {"mode": mode, "bytes": out["bytes_generated"], "traversals": out["traversals"],
+                "bytes_per_traversal": out["bytes_generated"] / max(1, out["traversals"]),
                 "latency_s": round(wall, 3), "hops_per_traversal": cfg.n_blocks,
                 "injected_delay_floor_s": out["traversals"] * cfg.n_blocks * 2 * s.delay_ms / 1000}
     finally:
@@ -265,7 +338,8 @@ def _serve(cfg: ModelConfig, sets: list[str], chain_ckpts: list[str], s: Pipelin
 def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
                        on_progress: Callable[[str], None] | None = None) -> dict:
     say = on_progress or (lambda _msg: None)
-    base_cfg = ModelConfig.from_dict(typed_settings(list(s.overrides)), source="bench pipeline config")
+    base_cfg = ModelConfig.from_dict(typed_settings([*s.overrides, *([f"init_seed={s.seed}"] if s.seed else [])]),
+                                     source="bench pipeline config")
     s.validate(base_cfg)
     own_dir = workdir is None
     base = Path(workdir or tempfile.mkdtemp(prefix="bt-bench-pipeline-"))
@@ -287,6 +361,12 @@ def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
             ces = [obj.score(obj.local_hops(c), windows, k=2, generator=g().manual_seed(0)).ce for c in chains]
             r.update(chain_ce=sum(ces) / len(ces), chain_ce_by_replica=ces, chain_ce_init=ce_init,
                      ce_kind=obj.ce_kind)
+            _score_curve(obj, cfg, r["curve"], windows[:s.curve_windows])
+            if s.curve_every > 0:   # the end of the curve: the final chains, on the curve's windows
+                end = [obj.score(obj.local_hops(c), windows[:s.curve_windows], k=2, generator=g().manual_seed(0)).ce
+                       for c in chains]
+                r["curve"].append({"wall_s": r["train_wall_s"], "cpu_s": r["cpu_s_per_worker"]["mean"],
+                                   "ce": sum(end) / len(end), "final": True})
             first = {}
             for w in r["workers"]:
                 first.setdefault(w["block"], w["ckpt"])
@@ -307,24 +387,39 @@ def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
             "settings": asdict(s), "ln256": math.log(256), "runs": runs, "references": refs, "seconds": round(time.time() - t_start, 1),
             "method": ("equal wall time per objective from the moment all workers are up; chain CE offline from the "
                        "workers' final checkpoints on the same held-out windows, mean over replica chains; tokens/s: "
-                       "the slowest block's; bytes: pipeline RPC and averaging messages each worker sent (protobuf "
+                       "the slowest block's; CPU: node process user+system time in the window (/proc); bytes: pipeline RPC and averaging messages each worker sent (protobuf "
                        "payloads; libp2p framing not included); memory: node process VmHWM; serving: one holder per "
-                       "block with --inject-delay-ms, one generation after a 1-byte warm-up")}
+                       "block with --inject-delay-ms, one one_sweep generation after a 1-byte warm-up")}
 
 
 def _references(s: PipelineBenchSettings, cfg: ModelConfig, data_used: str, windows: torch.Tensor, runs: dict,
                 say: Callable[[str], None]) -> dict:
     """Whole-size model end to end at the ``pipeline`` network's tokens (else the first run's); one-block model
-    alone for the same wall time. Each in a fresh one-thread process (see ``bench/pipeline_refs.py``)."""
+    alone, scored at the CPU-seconds one of that network's workers used (mean), at its curve points, and (with
+    ``wall_reference``) after the same wall time. Each in a fresh one-thread process (``bench/pipeline_refs.py``)."""
     src = "pipeline" if "pipeline" in runs else next(iter(runs))
     n = max(1, runs[src]["windows_block0"])
-    say(f"references: whole-size model on {n} windows ({src}'s block 0), one-block model for {s.train_s:.0f}s")
-    whole = train_reference(cfg.to_dict(), data_used, cfg.reference_layers, windows, windows_n=n, device=s.device)
+    spread = runs[src]["cpu_s_per_worker"]
+    marks = [p["cpu_s"] for p in runs[src]["curve"] if "ce" in p]
+    say(f"references: whole-size model on {n} windows ({src}'s block 0); one-block model to {spread['mean']:.0f} "
+        f"CPU-s (one {src} worker's mean)" + (f" and {s.train_s:.0f}s of wall time" if s.wall_reference else ""))
+    whole = train_reference(cfg.to_dict(), data_used, cfg.reference_layers, windows, windows_n=n, device=s.device,
+                            seed=s.seed)
     whole["tokens_matched_to"] = src
-    one = train_reference(cfg.to_dict(), data_used, cfg.layers_per_block, windows, seconds=s.train_s, device=s.device)
-    say(f"references: whole-size CE {whole['ce']:.4f} ({whole['steps']} steps), one-block CE {one['ce']:.4f} "
-        f"({one['steps']} steps)")
-    return {"whole": whole, "one_block": one}
+    one = train_reference(cfg.to_dict(), data_used, cfg.layers_per_block, windows,
+                          seconds=s.train_s if s.wall_reference else None, cpu_seconds=spread["mean"], marks=marks,
+                          curve_w=windows[:s.curve_windows], device=s.device, seed=s.seed)
+    at = one.pop("at_cpu")
+    same_cpu = {**at, "params": one["params"], "n_layers": one["n_layers"], "peak_rss_mib": one["peak_rss_mib"],
+                "cpu_matched_to": src, "worker_cpu_s": spread, "curve": one.pop("curve")}
+    refs = {"whole": whole, "one_block_cpu": same_cpu}
+    msg = f"references: whole-size CE {whole['ce']:.4f} ({whole['steps']} steps), one-block CE {at['ce']:.4f} at " \
+          f"{at['cpu_s']:.0f} CPU-s ({at['steps']} steps)"
+    if s.wall_reference:
+        refs["one_block"] = one
+        msg += f", {one['ce']:.4f} after {one['train_wall_s']:.0f}s of wall time ({one['steps']} steps)"
+    say(msg)
+    return refs
 
 
 def plan_seconds(s: PipelineBenchSettings) -> dict:
@@ -334,39 +429,9 @@ def plan_seconds(s: PipelineBenchSettings) -> dict:
     cfg = ModelConfig.from_dict(typed_settings(list(s.overrides)), source="bench pipeline config")
     per = {}
     for o in s.objectives:
-        trav = 1 if o == "paper" else s.gen_bytes + 1
+        trav = 1 if o == "paper" else (math.ceil(s.gen_bytes / cfg.chunk_len) if o == "pipeline-chunked"
+                                       else s.gen_bytes) + 1
         serve = STARTUP_S + trav * cfg.n_blocks * 2 * s.delay_ms / 1000 if s.serving else 0.0
         per[o] = STARTUP_S + s.train_s + SCORE_S + serve
-    refs = 2 * (s.train_s + SCORE_S) if s.references else 0.0
+    refs = (s.train_s if s.wall_reference else s.train_s / 2) + 2 * SCORE_S + s.train_s if s.references else 0.0
     return {"per_objective_s": per, "references_s": refs, "total_s": sum(per.values()) + refs}
-
-
-def plot_pipeline(res: dict, path: str | Path) -> Path:
-    """Four bar panels, one bar per objective: chain CE, tokens/s, bytes per worker per step, serving latency."""
-    from blocktrain.bench.plots import figure, save
-    plt = figure()
-    names = list(res["runs"])
-    panels = [("chain CE, nats/byte (held-out)", lambda r: r["chain_ce"]),
-              ("tokens/s (slowest block)", lambda r: r["tokens_per_s"]),
-              ("KB sent per worker per step", lambda r: (r["bytes_sent_per_worker_per_step"] or 0) / 1e3),
-              (f"serving s, {res['settings']['gen_bytes']} bytes at {res['settings']['delay_ms']:g} ms/hop",
-               lambda r: r["serving"]["latency_s"])]
-    if not res["settings"].get("serving", True):   # not measured: the workers' peak memory instead
-        panels[-1] = ("peak RSS per worker, MiB (max)", lambda r: r["peak_rss_mib_max"])
-    fig, axes = plt.subplots(1, 4, figsize=(14, 3.6))
-    for ax, (title, get) in zip(axes, panels):
-        ax.bar(names, [get(res["runs"][n]) for n in names], color=[f"C{i}" for i in range(len(names))])
-        if ax is axes[0]:
-            for key, label, style in (("whole", "whole-size, end to end, equal tokens", "--"),
-                                      ("one_block", "one block alone, same wall time", ":")):
-                if key in res.get("references", {}):
-                    ax.axhline(res["references"][key]["ce"], color="k", ls=style, lw=1, label=label)
-            if res.get("references"):
-                ax.legend(fontsize=7, loc="lower right")
-        ax.set_title(title, fontsize=9)
-        ax.tick_params(axis="x", labelsize=8)
-        ax.grid(axis="y", alpha=0.3)
-    s = res["settings"]
-    fig.suptitle(f"bench pipeline: {len(s['plan'])} workers (blocks {s['plan']}), {s['train_s']:g}s of training each, "
-                 f"protocol {res['protocol']}", fontsize=9)
-    return save(plt, fig, path)

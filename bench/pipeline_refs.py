@@ -3,22 +3,30 @@
 * ``whole``: the whole-size model (``ReferenceLM`` of the chain's total depth) trained end to end
   on as many training windows as the ``pipeline`` network's block 0 sent through the chain
   (equal tokens, target 1);
-* ``one_block``: a one-block-size ``ReferenceLM`` that one worker trains alone in the same wall
-  time as each network (target 2).
+* ``one_block``: a one-block-size ``ReferenceLM`` that one worker trains alone (target 2), scored
+  when its own process CPU time reaches the CPU-seconds one ``pipeline`` worker used (the fair
+  budget: a worker on a real network has its own machine), at the CPU-seconds of the network's
+  curve points, and after the same wall time as each network (on the bench's shared machine).
 
 A spawned child (one torch thread, like a worker) trains and scores the model on the bench's
 held-out windows and reports its peak resident set (``VmHWM``, which, like a worker's, includes
 the interpreter, torch and the training data) and that peak minus the resident set just before
 the model was built (the training state proper: weights, gradients, optimizer, activations).
-Imports nothing of the network; only ``blocks``.
+The child dies with the bench however the bench dies (a watchdog on the parent pid, the one the
+node's hivemind children use: ``p2p/process.py``, which imports no hivemind); a SIGKILLed bench
+otherwise left it training for its whole budget. Imports ``blocks`` and that watchdog, nothing of
+the network.
 """
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import time
 from pathlib import Path
 
 import torch
+
+from blocktrain.p2p.process import watch_parent
 
 
 def _rss_kib(field: str) -> int:
@@ -28,8 +36,10 @@ def _rss_kib(field: str) -> int:
     return 0
 
 
-def _child(q, cfg_dict: dict, data: str, n_layers: int, seconds: float | None, windows_n: int | None,
-           eval_w: torch.Tensor, device: str, seed: int) -> None:
+def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: float | None, windows_n: int | None,
+           cpu_seconds: float | None, marks: list[float], eval_w: torch.Tensor, curve_w: torch.Tensor | None,
+           device: str, seed: int) -> None:
+    watch_parent(parent, lambda: os._exit(1))   # the bench SIGKILLed: leave at once (multiprocessing cannot see it)
     try:
         torch.set_num_threads(1)
         from blocktrain.blocks.config import ModelConfig
@@ -47,36 +57,67 @@ def _child(q, cfg_dict: dict, data: str, n_layers: int, seconds: float | None, w
         model = ReferenceLM(cfg, n_layers=n_layers).to(dev)
         opt = make_optimizer(model, cfg)
         sampler = WindowSampler(split.train, cfg.seq_len, seed=seed, worker_id=100 + n_layers)
-        steps, t0 = 0, time.time()
+        # two clocks of training alone (scoring along the way is taken off both): wall and this process's CPU
+        steps, t0, c0, off_wall, off_cpu = 0, time.time(), time.process_time(), 0.0, 0.0
+        wall = lambda: time.time() - t0 - off_wall            # noqa: E731
+        cpu = lambda: time.process_time() - c0 - off_cpu      # noqa: E731
+        pending = sorted(m for m in marks if m > 0)
+        curve, at_cpu, at_wall = [], None, None
+
+        def snapshot(w: torch.Tensor) -> dict:
+            return {"cpu_s": round(cpu(), 2), "wall_s": round(wall(), 2), "steps": steps,
+                    "tokens": steps * cfg.batch_size * cfg.seq_len, "ce": score(w)}
+
+        def score(w: torch.Tensor) -> float:
+            nonlocal off_wall, off_cpu
+            tw, tc = time.time(), time.process_time()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            ce = evaluate_reference(model, w.to(dev))
+            model.train()
+            off_wall += time.time() - tw
+            off_cpu += time.process_time() - tc
+            return ce
+
         while True:
-            if seconds is not None and time.time() - t0 >= seconds:
-                break
-            if windows_n is not None and steps * cfg.batch_size >= windows_n:
+            while pending and cpu() >= pending[0]:
+                curve.append({"mark_cpu_s": pending.pop(0), **snapshot(curve_w if curve_w is not None else eval_w)})
+            if cpu_seconds is not None and at_cpu is None and cpu() >= cpu_seconds:
+                at_cpu = {"cpu_budget_s": cpu_seconds, **snapshot(eval_w)}
+            if seconds is not None and at_wall is None and wall() >= seconds:
+                at_wall = snapshot(eval_w)   # a loaded machine: the CPU budget may come after the wall time
+            if ((seconds is None or at_wall is not None) and (windows_n is None or steps * cfg.batch_size >= windows_n)
+                    and (cpu_seconds is None or at_cpu is not None) and not pending):
                 break
             w = sampler.next_batch(cfg.batch_size).to(dev)
             optimizer_step(model, opt, cfg, steps, reference_loss_fn(model, w))
             steps += 1
-        wall = time.time() - t0
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        ce = evaluate_reference(model, eval_w.to(dev))
+        # the headline: at the wall-time budget if given, else the windows budget (the end), else the CPU budget
+        end = at_wall or (snapshot(eval_w) if windows_n is not None or at_cpu is None else at_cpu)
         hwm = _rss_kib("VmHWM")
-        q.put({"ce": ce, "steps": steps, "tokens": steps * cfg.batch_size * cfg.seq_len, "train_wall_s": round(wall, 1),
-               "n_layers": n_layers, "params": sum(p.numel() for p in model.parameters()),
+        q.put({"ce": end["ce"], "steps": end["steps"], "tokens": end["tokens"],
+               "train_wall_s": round(end["wall_s"], 1), "train_cpu_s": round(end["cpu_s"], 1), "at_cpu": at_cpu,
+               "curve": curve, "n_layers": n_layers, "params": sum(p.numel() for p in model.parameters()),
                "peak_rss_mib": hwm / 1024, "training_state_rss_mib": (hwm - rss0) / 1024})
     except BaseException as e:   # noqa: BLE001 (reported to the parent, which raises it)
         q.put({"error": f"{type(e).__name__}: {e}"})
 
 
 def train_reference(cfg_dict: dict, data: str, n_layers: int, eval_w: torch.Tensor, *,
-                    seconds: float | None = None, windows_n: int | None = None, device: str = "cpu",
+                    seconds: float | None = None, windows_n: int | None = None, cpu_seconds: float | None = None,
+                    marks: list[float] = (), curve_w: torch.Tensor | None = None, device: str = "cpu",
                     seed: int = 0, timeout: float = 3600.0) -> dict:
-    """Train one reference in a fresh process until ``seconds`` pass or ``windows_n`` windows are used."""
-    if seconds is None and windows_n is None:
-        raise ValueError("a reference needs a budget: seconds or windows")
+    """Train one reference in a fresh process until every budget given is spent: ``seconds`` of training
+    wall time, ``windows_n`` windows, ``cpu_seconds`` of its own process CPU time; scored on ``eval_w`` when
+    each is reached (``ce``, ``steps``, ``train_wall_s``: at ``seconds`` if given, else at ``windows_n``, else
+    at ``cpu_seconds``; ``at_cpu``: at ``cpu_seconds``), and on ``curve_w`` (else ``eval_w``) at each
+    CPU-seconds mark of ``marks`` (``curve``). Scoring is off both clocks."""
+    if seconds is None and windows_n is None and cpu_seconds is None:
+        raise ValueError("a reference needs a budget: seconds, windows or CPU seconds")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(q, cfg_dict, data, n_layers, seconds, windows_n, eval_w, device, seed),
+    p = ctx.Process(target=_child, args=(q, os.getpid(), cfg_dict, data, n_layers, seconds, windows_n, cpu_seconds,
+                                                  list(marks), eval_w, curve_w, device, seed),
                     daemon=True)
     p.start()
     try:

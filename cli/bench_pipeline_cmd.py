@@ -15,20 +15,27 @@ def pipeline_table(res: dict) -> Table:
     s = res["settings"]
     t = Table(title=f"bench pipeline: {len(s['plan'])} workers (blocks {s['plan']}), {s['train_s']:g}s of training "
                     f"per objective; chain CE on {s['eval_windows']} held-out windows")
-    for col in ("objective", "chain CE", "untrained", "tokens/s", "MB sent", "KB/worker/step", "peak MiB",
-                "stalled s", "lost / done", f"serve {s['gen_bytes']} B: traversals", "serve s"):
+    for col in ("objective", "chain CE", "untrained", "tokens/s", "CPU-s/worker (min-max)", "MB sent",
+                "KB/worker/step", "peak MiB", "stalled s", "lost / done", f"serve {s['gen_bytes']} B: traversals",
+                "serve s"):
         t.add_column(col, justify="right" if col != "objective" else "left")
     for name, r in res["runs"].items():
         sv = r["serving"] or {"traversals": "-", "latency_s": None}
-        t.add_row(name, _f(r["chain_ce"]), _f(r["chain_ce_init"]), _f(r["tokens_per_s"], ".0f"),
+        c = r.get("cpu_s_per_worker") or {}
+        cpu = f"{c['mean']:.0f} ({c['min']:.0f}-{c['max']:.0f})" if c else "-"
+        t.add_row(name, _f(r["chain_ce"]), _f(r["chain_ce_init"]), _f(r["tokens_per_s"], ".0f"), cpu,
                   _mb(r["bytes_sent_total"]), _f((r["bytes_sent_per_worker_per_step"] or 0) / 1e3, ".1f"),
                   _f(r["peak_rss_mib_max"], ".0f"), _f(r["stalled_s_total"], ".1f"),
                   f"{r['microbatches_lost']} / {r['microbatches_completed']}", str(sv["traversals"]),
                   _f(sv["latency_s"], ".2f"))
-    for key, label in (("whole", "reference: whole-size, end to end"), ("one_block", "reference: one block alone")):
+    for key, label in (("whole", "reference: whole-size, end to end, equal tokens"),
+                       ("one_block_cpu", "reference: one block alone, CPU-s of one pipeline worker"),
+                       ("one_block", "reference: one block alone, same wall time, this shared machine")):
         ref = res.get("references", {}).get(key)
         if ref:
-            t.add_row(label, _f(ref["ce"]), "", _f(ref["tokens"] / max(ref["train_wall_s"], 1e-9), ".0f"), "0", "0",
+            cpu = ref.get("cpu_s", ref.get("train_cpu_s"))
+            wall = ref["wall_s"] if key == "one_block_cpu" else ref["train_wall_s"]
+            t.add_row(label, _f(ref["ce"]), "", _f(ref["tokens"] / max(wall, 1e-9), ".0f"), _f(cpu, ".0f"), "0", "0",
                       _f(ref["peak_rss_mib"], ".0f"), "", f"{ref['steps']} steps", "", "")
     t.caption = (f"protocol {res['protocol']}; serving at {s['delay_ms']:g} ms one-way per hop. {res['method']}.")
     return t
@@ -65,31 +72,42 @@ def pipeline_table(res: dict) -> Table:
                                              "(default: cpu; --preset h200: cuda).")
 @click.option("--no-references", is_flag=True, help="Skip the whole-size and one-block reference models.")
 @click.option("--no-serving", is_flag=True, help="Skip the serving cost (saves one network start-up per objective).")
+@click.option("--no-wall-reference", is_flag=True,
+              help="Train the one-block reference only to the CPU-seconds one pipeline worker used (the fair "
+                   "budget), not also for the same wall time (saves up to --train-seconds).")
+@click.option("--curve-every", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Seconds between snapshots of each network's chain during training (scored afterwards against "
+                   "one worker's CPU-seconds, the one-block reference at the same CPU-seconds); 0: none.")
 @click.option("--weight-stash/--no-weight-stash", default=False, show_default=True,
               help="--pipeline-weight-stash of every worker (pipeline: a backward after a weight change uses "
                    "the weights its forward used).")
 @click.option("--flush", is_flag=True, help="--pipeline-flush and --pipeline-accumulate = --inflight on every worker "
                                             "(GPipe: one step per window of in-flight micro-batches, none stale).")
+@click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True,
+              help="Every worker's --seed (data order) and init_seed; the references' too (a second seed of a run).")
 @click.option("--plan", "plan_only", is_flag=True, help="Print the preset's planned wall time and exit.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight, gen_bytes, delay_ms, eval_windows, overrides, data, plot,
-                       record, workdir, preset, tiny, device, no_references, no_serving, weight_stash, flush, plan_only,
-                       as_json):
+                       record, workdir, preset, tiny, device, no_references, no_serving, no_wall_reference, curve_every,
+                       weight_stash, flush, seed, plan_only, as_json):
     """pipeline and forward-streamed vs paper: real node processes, the same wall time each.
 
     \b
     Each objective's network (default 6 workers over 4 blocks, blocks 1 and 2 held twice) trains
     for the same wall time; then its chain CE (from the final checkpoints, same held-out windows),
     tokens/s, bytes sent, peak memory, stalled time, micro-batches lost, and the serving cost of
-    --gen-bytes bytes through one holder per block with --delay-ms per hop. Then the references,
-    each in its own process: the whole-size model end to end on as many windows as the pipeline
-    network's block 0 used, and the one-block model trained alone for the same wall time.
+    --gen-bytes bytes through one holder per block with --delay-ms per hop (each objective's
+    fastest mode: one traversal per byte, per chunk for pipeline-chunked, one for paper). Then the
+    references, each in its own process: the whole-size model end to end on as many windows as the
+    pipeline network's block 0 used, and the one-block model trained alone, scored when its CPU
+    time reaches the CPU-seconds one pipeline worker used (mean; on a real network a worker has its
+    own machine) and after the same wall time (here the workers share this machine's cores).
     Example:
       bt-node bench pipeline --plot docs/bench_pipeline.png
     """
-    from blocktrain.bench.pipeline import (PipelineBenchSettings, plan_seconds, plot_pipeline,   # imports hivemind
-                                           run_bench_pipeline)
+    from blocktrain.bench.pipeline import PipelineBenchSettings, plan_seconds, run_bench_pipeline   # hivemind
+    from blocktrain.bench.pipeline_plot import plot_pipeline
 
     if plot:
         try:
@@ -102,6 +120,9 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight,
         s.device = device
     s.references = not no_references
     s.serving = not no_serving
+    s.wall_reference = not no_wall_reference
+    s.curve_every = curve_every
+    s.seed = seed
     s.weight_stash = weight_stash
     s.flush = flush
     s.overrides += list(overrides)

@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(600)]
 def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "blocktrain.cli.main", "bench", "pipeline", "--tiny", "--objective", "pipeline",
-         "--inflight", "3", "--weight-stash", "--data", str(TEST_CORPUS), "--workdir", str(tmp_path / "w"), "--json"],
+         "--inflight", "3", "--weight-stash", "--curve-every", "3", "--data", str(TEST_CORPUS),
+         "--workdir", str(tmp_path / "w"), "--json"],
         capture_output=True, text=True, timeout=540, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
@@ -37,13 +38,28 @@ def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
     assert all(w["peak_weight_stash_bytes"] > 0 for w in r["workers"] if w["block"] == 0)
     assert r["config"]["objective"] == "pipeline" and "objective" not in res["config"]   # each arm says its own
     sv = r["serving"]
-    assert sv["mode"] == "autoregressive" and sv["bytes"] == 4 and sv["traversals"] == 4   # one traversal per byte
+    assert sv["mode"] == "one_sweep" and sv["bytes"] == 4 and sv["traversals"] == 4   # pipeline: one traversal per byte
     assert sv["latency_s"] >= sv["injected_delay_floor_s"] == pytest.approx(4 * 2 * 2 * 0.005)
     assert (tmp_path / "w" / "pipeline" / "node0" / "ckpt").is_dir()
     whole, one = res["references"]["whole"], res["references"]["one_block"]
     assert whole["n_layers"] == 2 and one["n_layers"] == 1 and whole["params"] > one["params"]
     assert whole["steps"] * 4 >= r["windows_block0"] > (whole["steps"] - 1) * 4    # equal tokens (batch 4)
-    assert one["train_wall_s"] >= 10 and one["steps"] > 0                        # same wall time
+    assert 10 <= one["train_wall_s"] < 15 and one["steps"] > 0                   # same wall time
+    # CPU: each worker's node process spent CPU in the window (its p2pd adds some); the fair reference stopped
+    # on its own CPU time once it reached the workers' mean, before the same-wall-time one
+    cpu = r["cpu_s_per_worker"]
+    assert all(0 < w["cpu_s"] <= w["cpu_s_with_children"] for w in r["workers"])
+    assert 0 < cpu["min"] <= cpu["mean"] <= cpu["max"] < r["train_wall_s"] * 2   # at most 2 cores
+    fair = res["references"]["one_block_cpu"]
+    assert fair["worker_cpu_s"] == cpu and fair["cpu_budget_s"] == pytest.approx(cpu["mean"])
+    assert cpu["mean"] <= fair["cpu_s"] < cpu["mean"] + 2 and fair["steps"] > 0
+    assert fair["ce"] < math.log(256) - 0.5
+    # the curve: chains exported during training, scored against the workers' CPU-seconds, the last one the
+    # final chains; the one-block reference scored at the same CPU-seconds
+    curve = r["curve"]
+    assert len(curve) >= 2 and curve[-1]["final"] and all("ce" in p for p in curve), curve
+    assert [p["cpu_s"] for p in curve] == sorted(p["cpu_s"] for p in curve)
+    assert [p["mark_cpu_s"] for p in fair["curve"]] == pytest.approx([p["cpu_s"] for p in curve])
     for ref in (whole, one):
         assert ref["ce"] < math.log(256) - 0.5 and 50 < ref["peak_rss_mib"] and ref["training_state_rss_mib"] >= 0
 

@@ -300,3 +300,35 @@ def test_sigkilled_swarm_leaves_no_process(tmp_path):
         assert not left, describe(left)
         for d in _node_dirs(tmp_path):   # the parent-death signal made each node leave gracefully
             assert _stop_line(d / "node.log")
+
+
+# bench pipeline's reference model trains in a spawned child (bench/pipeline_refs.py): multiprocessing stops it
+# only when the bench exits normally, so a SIGKILLed bench left it training for its whole budget
+REF_PROGRAM = """
+import sys, torch
+from blocktrain.bench.pipeline_refs import train_reference
+from blocktrain.blocks.config import ModelConfig
+from blocktrain.node.swarm.run import typed_settings
+cfg = ModelConfig.from_dict(typed_settings(sys.argv[2:]), source="test")
+train_reference(cfg.to_dict(), sys.argv[1], 1, torch.zeros(2, cfg.seq_len + 1, dtype=torch.long), seconds=600)
+"""
+
+
+@pytest.mark.slow   # a spawned child importing torch and training 3 CPU-s: 44 s at load 10 on 2 cores
+def test_sigkilled_bench_leaves_no_reference_process(tmp_path):
+    parent = psutil.Popen([sys.executable, "-c", REF_PROGRAM, str(TEST_CORPUS), *TINY],
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    procs = [parent]
+    try:
+        def trainer():   # the spawned child, once it is past its imports and training (CPU-s spent)
+            kids = [p for p in parent.children(recursive=True) if "spawn_main" in " ".join(p.cmdline())]
+            return kids[0] if kids and sum(kids[0].cpu_times()[:2]) > 3 else None
+        wait_for(lambda: trainer() is not None or parent.poll() is not None, 180, "the reference child training")
+        assert parent.poll() is None
+        procs += parent.children(recursive=True)
+        parent.kill()
+        parent.wait(10)
+        left = wait_gone(procs, EXIT_BOUND_S)
+        assert not left, describe(left)
+    finally:
+        kill_all_procs(procs)
