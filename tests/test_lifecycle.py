@@ -34,14 +34,15 @@ from blocktrain.p2p.discovery import Discovery
 
 from test_utils.configs import TEST_CORPUS
 from test_utils.lifecycle import Command, describe, kill_all, kill_all_procs, running, wait_gone
-from test_utils.reliability import TINY, report, wait_for
+from test_utils.reliability import QUIET_TRAINING, TINY, report, wait_for
 from test_utils.wire_procs import JsonLinesProc
 
 pytestmark = [pytest.mark.reliability, pytest.mark.network]
 
 ANCHOR_RUN = "lc-anchor"
 SETS = [x for kv in TINY for x in ("--set", kv)]
-NODE_ARGS = ["--data", str(TEST_CORPUS), "--http-port", "0", "--checkpoint-every", "1000000", "--device", "cpu"]
+NODE_ARGS = ["--data", str(TEST_CORPUS), "--http-port", "0", "--checkpoint-every", "1000000", "--device", "cpu",
+             *QUIET_TRAINING]
 EXIT_BOUND_S = 10.0
 
 
@@ -242,7 +243,8 @@ SWARM_FULL_ONLY = {"SIGINT-pid", "SIGINT-group", "SIGTERM-group"}
 @contextlib.contextmanager
 def _running_swarm(tmp_path: Path, *, tty: bool):
     """``bt-node swarm --keep-running``, serving: (command, every process it grew); all killed at the end."""
-    cmd = Command([*SWARM_ARGS, "--keep-running", "--workdir", str(tmp_path / "swarm")], tmp_path / "log", tty=tty)
+    cmd = Command([*SWARM_ARGS, "--keep-running", "--workdir", str(tmp_path / "swarm")], tmp_path / "log", tty=tty,
+                  env={"BT_TRAIN_DUTY": QUIET_TRAINING[1]})   # the swarm's nodes read it (--train-duty)
     procs: list = []
     try:
         cmd.wait_output(KEPT, 240)

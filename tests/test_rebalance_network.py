@@ -18,7 +18,7 @@ import pytest
 from blocktrain.node.client import NetworkClient
 
 from test_utils.configs import TEST_CORPUS
-from test_utils.reliability import MANUAL_AVG, TINY, RelSwarm, report, stop_swarm, wait_for
+from test_utils.reliability import MANUAL_AVG, QUIET_TRAINING, TINY, RelSwarm, report, stop_swarm, wait_for
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
@@ -43,7 +43,7 @@ def _generate_until(client, stop: threading.Event, results: list) -> None:
 
 def test_surplus_node_moves_to_needier_block_and_bad_state_is_refused(tmp_path):
     sw = RelSwarm(tmp_path, run_id=RUN, overrides=TINY, data=str(TEST_CORPUS),
-                  extra_args=["--device", "cpu", *MANUAL_AVG])
+                  extra_args=["--device", "cpu", *MANUAL_AVG, *QUIET_TRAINING])
     client, gen_stop, gen = None, threading.Event(), None
     results: list = []
     try:

@@ -20,7 +20,7 @@ from blocktrain.node.client import NetworkClient
 
 from test_utils.configs import TEST_CORPUS
 from test_utils.reliability import (
-    MANUAL_AVG, TINY, RelSwarm, all_finite, average_together, average_until_accepted, block_state, kill9,
+    MANUAL_AVG, QUIET_TRAINING, TINY, RelSwarm, all_finite, average_together, average_until_accepted, block_state, kill9,
     report, restart, stop_swarm, wait_for,
 )
 
@@ -35,7 +35,7 @@ def churn(tmp_path_factory):
     data = TEST_CORPUS
     base = tmp_path_factory.mktemp("relchurn")
     sw = RelSwarm(base, run_id=RUN, overrides=[*TINY, "n_blocks=1"], data=str(data),
-                  extra_args=["--device", "cpu", *MANUAL_AVG])
+                  extra_args=["--device", "cpu", *MANUAL_AVG, *QUIET_TRAINING])
     client = None
     try:
         c0 = sw.start_seed(block=0, args=["--checkpoint-every", "50"])
