@@ -16,8 +16,8 @@ itself: 199 s in a run of the old code on 2026-12-01; another such run got a slo
 this bound alone does not always tell the old path apart, tests/test_p2p_reachability.py pins the
 static relays). A member that never becomes reachable fails the test. The "training only" phase
 (serving: false, routes go around it) is checked when the test sees it, which it does when the
-member's first relay check (20 s after its start) comes after the test's first look (4 of 4 runs
-on 2026-12-01).
+member's first relay check (20 s after its start) comes after the test's first look (3 of 3 runs
+of this version on 2026-12-01).
 
 Three public hosts: h0 seeds block 0, h1 holds block 0, h2 holds block 1; the NAT member takes
 the least-held block, 1. Figures go to $BT_RELIABILITY_LOG (RELIABILITY.md).
