@@ -244,6 +244,9 @@ def register_static_relays_mode() -> None:
         P2P.FORCE_REACHABILITY_MAPPING = {**mapping, STATIC_RELAYS: dict(STATIC_RELAYS_FLAGS)}
 
 
+register_static_relays_mode()   # also at import: a DHT process that is spawned, not forked, imports this module
+
+
 def circuit_addrs(relays: Sequence[str], peer_id: str) -> list[str]:
     """The addresses others dial this node at through each relay (relays name their peer id)."""
     return [f"{r}/p2p-circuit/p2p/{peer_id}" for r in relays if peer_id_of(r)]
