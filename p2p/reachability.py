@@ -225,8 +225,15 @@ def private_dht_options(relays: Sequence[str]) -> dict[str, Any]:
     requests or averaging groups to serve), circuit relay on, autorelay reserving slots on
     ``relays`` (the initial peers that answered its dial-back, with /p2p/) as static relays, without
     waiting for AutoNAT (which cannot judge private IPs) or autorelay's boot delay (module docstring).
-    Without relays: autorelay with p2pd's relay discovery, as before (static mode needs relays)."""
-    relays = [r for r in relays if peer_id_of(r)]
+    Without relays: autorelay with p2pd's relay discovery, as before (static mode needs relays).
+    One address per relay: autorelay waits (boot delay) until it has as many candidates as static
+    relays, and two addresses of one peer would count twice but make one candidate."""
+    first: dict[str, str] = {}
+    for r in relays:
+        pid = peer_id_of(r)
+        if pid:
+            first.setdefault(pid, r)
+    relays = list(first.values())
     if not relays:
         return dict(client_mode=True, use_relay=True, use_auto_relay=True, force_reachability="private")
     register_static_relays_mode()

@@ -118,6 +118,8 @@ def test_private_daemon_reserves_a_slot_on_its_static_relay_at_once(public):
     candidates."""
     relay = public.visible_maddrs()[0]
     assert private_dht_options([])["force_reachability"] == "private"   # static mode needs relays
+    two = f"/ip4/10.0.0.1/tcp/1/p2p/{PEER}"
+    assert private_dht_options([two, f"/ip4/10.0.0.2/tcp/2/p2p/{PEER}", relay])["trusted_relays"] == [two, relay]
 
     async def run():
         opts = {k: v for k, v in private_dht_options([relay]).items() if k != "client_mode"}
