@@ -16,7 +16,7 @@ itself: 199 s in a run of the old code on 2026-12-01; another such run got a slo
 this bound alone does not always tell the old path apart, tests/test_p2p_reachability.py pins the
 static relays). A member that never becomes reachable fails the test. The "training only" phase
 (serving: false, routes go around it) is checked when the test sees it, which it does when the
-member's first relay check (20 s after its start) comes after the test's first look (3 of 3 runs
+member's first relay check (20 s after its start) comes after the test's first look (4 of 4 runs
 of this version on 2026-12-01).
 
 Three public hosts: h0 seeds block 0, h1 holds block 0, h2 holds block 1; the NAT member takes
@@ -37,7 +37,7 @@ pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 RUN = "nsnat"
 TRAINING_ONLY = "training only (not reachable)"
-RELAY_WAIT_S = 150   # member start -> "relayed": 31-36 s measured (RELIABILITY.md); autorelay's boot delay is 180 s
+RELAY_WAIT_S = 150   # member start -> "relayed": 27-36 s measured (RELIABILITY.md); autorelay's boot delay is 180 s
 
 
 @pytest.fixture(scope="module")
