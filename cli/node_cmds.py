@@ -299,8 +299,9 @@ def join(initial_peers, run_id, data, checkpoint_dir, block, ready_file, quiet, 
     """Join a run: pick the least-held block, download its current state, train, average and serve.
 
     A member nobody can dial (behind NAT) notices at join (its initial peers try to dial it back),
-    trains and averages all the same, and serves its block through a relay on a reachable peer once
-    libp2p holds one (a few minutes); until then it says "training only" and routers skip it.
+    trains and averages all the same, and serves its block through a relay on one of its initial
+    peers once libp2p holds one (seconds after it starts); until then, or if none of them can
+    relay, it says "training only" and routers skip it.
 
     \b
     Examples:

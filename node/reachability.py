@@ -6,9 +6,10 @@
   autorelay reservation) carries dials to it; it serves through the relay and announces its
   circuit addresses.
 * ``training only (not reachable)``: nobody can dial it and no relay carries dials to it (yet:
-  libp2p's autorelay takes a few minutes to reserve a slot). It trains and averages as a client,
-  announces ``serving: false`` so routers never pick it, and checks its relays again every
-  ``recheck_s`` seconds.
+  its daemon reserves a slot on its static relays within seconds of starting, p2p/reachability.py,
+  and the first check comes ``recheck_s`` after the node starts; or never, when none of its initial
+  peers can relay). It trains and averages as a client, announces ``serving: false`` so routers
+  never pick it, and checks its relays again every ``recheck_s`` seconds.
 
 A relayed node re-checks every ``relayed_recheck_s`` and falls back to training only when its
 relays stop carrying dials (they left).

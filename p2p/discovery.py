@@ -132,7 +132,7 @@ class Discovery:
         self._owned_identity: NodeIdentity | None = None
         self._closed = False
         self.reachability = "client" if dht.client_mode else "public"   # start() may say "private"
-        self.relays: list[str] = []     # private: its initial peers, trusted relays of its autorelay
+        self.relays: list[str] = []     # private: its initial peers, those that answered first (its static relays)
         self.live_relays: list[str] = []   # private: the relays its last check found carrying dials to it
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -168,9 +168,9 @@ class Discovery:
         runs = [validate_run_id(r) for r in run_ids]
         if reachability not in ("auto", "assume-public"):
             raise ValueError(f"reachability must be 'auto' or 'assume-public', got {reachability!r}")
-        private = False
+        private, answered = False, []
         if reachability == "auto" and peers and not client_mode and not all_loopback([*hosts, *peers]):
-            reachable, hosts = asyncio.run(probe_reachability(peers, hosts, announce))
+            reachable, hosts, answered = asyncio.run(probe_reachability(peers, hosts, announce))
             private = reachable is False
             if reachable is None:
                 logger.warning("no initial peer could check whether others can dial this node; assuming they can")
@@ -184,7 +184,7 @@ class Discovery:
         if announce:
             kwargs["announce_maddrs"] = announce
         if private:
-            kwargs.update(private_dht_options(peers))
+            kwargs.update(private_dht_options(answered))   # they answered: alive, public, relays
             client_mode = kwargs.pop("client_mode")
         kwargs.setdefault("shutdown_timeout", DHT_SHUTDOWN_TIMEOUT)
         deadline = time.monotonic() + startup_timeout
@@ -233,7 +233,7 @@ class Discovery:
             raise IdentityError(f"the DHT runs as {self.peer_id} but identity {ident.identity_path} is {ident.peer_id}")
         self._followed.update(runs)
         if private:
-            self.reachability, self.relays = "private", list(peers)
+            self.reachability, self.relays = "private", list(dict.fromkeys([*answered, *peers]))
         elif not client_mode:
             dht.run_coroutine(serve_dial_back)
         return self

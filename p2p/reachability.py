@@ -18,10 +18,27 @@ bounded by :data:`DIAL_TIMEOUT`.
 **What follows** (``Discovery.start(reachability="auto")``): before its DHT starts, a joining node
 runs :func:`probe_reachability` from a throw-away daemon on the addresses it will listen on. If
 every initial peer that answered failed to dial it, the node is *private*: its DHT and averager run
-in hivemind's client mode, and its p2pd gets ``use_relay=True, use_auto_relay=True,
-force_reachability="private", trusted_relays=<initial peers>`` (:func:`private_dht_options`):
-libp2p's autorelay then reserves a slot on those peers' relay service (every public node's p2pd
-runs one: hivemind's default ``use_relay=True``). libp2p advertises relay addresses only for relays
+in hivemind's client mode, and its p2pd runs autorelay with the initial peers that answered the
+dial-back as *static* relays (:func:`private_dht_options`): libp2p's autorelay then reserves a slot
+on those peers' relay service (circuit relay v2; every public node's p2pd runs one: hivemind's
+default ``use_relay=True``) within seconds of the daemon's start.
+
+**Why static relays** (issue 15). With ``-trustedRelays`` alone, p2pd (go-libp2p-daemon
+v0.5.0.hivemind1, go-libp2p v0.32) keeps ``-relayDiscovery`` on: it feeds the trusted relays and its
+DHT's closest peers to autorelay as a peer source, with go-libp2p's defaults ``WithMinCandidates(4)``
+and ``WithBootDelay(3 min)``: autorelay reserves nothing while it knows fewer than 4 relay
+candidates and less than 3 minutes have passed. A small network has fewer, so a member behind NAT
+was "training only" for ~3.5 minutes after every start. With ``-relayDiscovery=0`` the daemon uses
+``EnableAutoRelayWithStaticRelays``, which sets the minimum number of candidates to the number of
+static relays, so there is no boot delay once they answer. The price: autorelay then never looks
+beyond those relays; if none of them can relay (or all leave) the node says "training only" until it
+restarts. A relay that fails among several only brings back the old wait (autorelay goes ahead with
+what it has after the boot delay). hivemind passes no ``-relayDiscovery`` flag (its
+``use_relay_discovery`` is a deprecated no-op), so :data:`STATIC_RELAYS` is registered as a
+``force_reachability`` mode of hivemind's ``P2P``, whose flags are exactly those of "private" plus
+``-relayDiscovery=0``; public nodes pass no such mode and are unchanged.
+
+libp2p advertises relay addresses only for relays
 on public IPs, so the node announces its circuit addresses itself (:func:`circuit_addrs`), readers
 hand them to their daemon (:func:`learn_relayed`), and :func:`ask_relayed` finds which relays
 really carry a dial to the node (autorelay may pick any relay-capable peer it meets) before the node
@@ -47,7 +64,7 @@ from blocktrain.p2p.hops import WIRE_VERSION, decode_meta, encode_meta, error_re
 __all__ = [
     "DIALBACK_NAMESPACE", "DialBackService", "serve_dial_back", "request_dial_back", "probe_reachability",
     "private_dht_options", "circuit_addrs", "ask_relayed", "learn_relayed", "validate_dial_addr",
-    "all_loopback",
+    "all_loopback", "STATIC_RELAYS",
 ]
 
 logger = logging.getLogger(__name__)
@@ -56,6 +73,10 @@ DIALBACK_NAMESPACE = "bt_reach"
 MAX_ADDRS = 8
 DIAL_TIMEOUT = 8.0          # one dial-back, all addresses together
 ASK_TIMEOUT = DIAL_TIMEOUT + 12.0   # the caller's wait: the probe daemon's start plus the dial
+#: a ``force_reachability`` mode registered in hivemind's ``P2P.FORCE_REACHABILITY_MAPPING`` (which
+#: maps the mode to extra p2pd flags): "private" with autorelay on the trusted relays only
+STATIC_RELAYS = "private-static-relays"
+STATIC_RELAYS_FLAGS = {"forceReachabilityPrivate": 1, "relayDiscovery": 0}
 PROBE_ARGS = dict(dht_mode="client", use_relay=True, auto_nat=False, nat_port_map=False, no_listen=True,
                   startup_timeout=20)
 
@@ -163,11 +184,12 @@ def _verdict(answers: Sequence[bool | None]) -> bool | None:
 
 async def probe_reachability(initial_peers: Sequence[str], host_maddrs: Sequence[str],
                              announce_maddrs: Sequence[str] | None = None, *, max_peers: int = 3
-                             ) -> tuple[bool | None, list[str]]:
+                             ) -> tuple[bool | None, list[str], list[str]]:
     """From a throw-away daemon listening on ``host_maddrs``: may the initial peers dial us there?
 
     Returns (True / False / None if nobody answered, the listen addresses with the port the daemon
-    got, so the real node listens on the port that was checked)."""
+    got, so the real node listens on the port that was checked, the initial peers' multiaddrs whose
+    peer answered: live public peers, the relays a private node reserves a slot with)."""
     p2p = None
     try:
         p2p = await P2P.create(initial_peers=list(initial_peers), host_maddrs=list(host_maddrs),
@@ -180,10 +202,11 @@ async def probe_reachability(initial_peers: Sequence[str], host_maddrs: Sequence
         peers = list(dict.fromkeys(p for p in (peer_id_of(m) for m in initial_peers) if p))[:max_peers]
         answers = await asyncio.gather(*(request_dial_back(p2p, p, mine) for p in peers))
         logger.info("dial-back from %d initial peer(s) at %s: %s", len(peers), mine, answers)
-        return _verdict(answers), listened
+        answered = {p for p, a in zip(peers, answers) if a is not None}
+        return _verdict(answers), listened, [m for m in initial_peers if peer_id_of(m) in answered]
     except Exception as e:   # the real DHT start reports unreachable initial peers with its own error
         logger.info("reachability probe failed: %s", e)
-        return None, list(host_maddrs)
+        return None, list(host_maddrs), []
     finally:
         if p2p is not None:
             await p2p.shutdown()
@@ -200,9 +223,35 @@ def _with_ports(host_maddrs: Sequence[str], seen: Sequence[str]) -> list[str]:
 def private_dht_options(relays: Sequence[str]) -> dict[str, Any]:
     """hivemind ``DHT``/``P2P.create`` options for a node nobody can dial: client mode (no DHT
     requests or averaging groups to serve), circuit relay on, autorelay reserving slots on
-    ``relays`` (its initial peers) without waiting for AutoNAT (which cannot judge private IPs)."""
-    return dict(client_mode=True, use_relay=True, use_auto_relay=True, force_reachability="private",
+    ``relays`` (the initial peers that answered its dial-back, with /p2p/) as static relays, without
+    waiting for AutoNAT (which cannot judge private IPs) or autorelay's boot delay (module docstring).
+    Without relays: autorelay with p2pd's relay discovery, as before (static mode needs relays).
+    One address per relay: autorelay waits (boot delay) until it has as many candidates as static
+    relays, and two addresses of one peer would count twice but make one candidate."""
+    first: dict[str, str] = {}
+    for r in relays:
+        pid = peer_id_of(r)
+        if pid:
+            first.setdefault(pid, r)
+    relays = list(first.values())
+    if not relays:
+        return dict(client_mode=True, use_relay=True, use_auto_relay=True, force_reachability="private")
+    register_static_relays_mode()
+    return dict(client_mode=True, use_relay=True, use_auto_relay=True, force_reachability=STATIC_RELAYS,
                 trusted_relays=list(relays))
+
+
+def register_static_relays_mode() -> None:
+    """Teach hivemind's ``P2P.create`` the :data:`STATIC_RELAYS` reachability mode (idempotent; call it
+    before the DHT's process or thread starts, so a forked DHT process inherits it)."""
+    mapping = P2P.FORCE_REACHABILITY_MAPPING
+    if mapping.get(STATIC_RELAYS) != STATIC_RELAYS_FLAGS:
+        if "private" not in mapping:   # hivemind changed how it maps reachability modes to flags
+            raise RuntimeError("hivemind's P2P has no 'private' reachability mode; cannot add static relays")
+        P2P.FORCE_REACHABILITY_MAPPING = {**mapping, STATIC_RELAYS: dict(STATIC_RELAYS_FLAGS)}
+
+
+register_static_relays_mode()   # also at import: a DHT process that is spawned, not forked, imports this module
 
 
 def circuit_addrs(relays: Sequence[str], peer_id: str) -> list[str]:

@@ -6,8 +6,18 @@ It must notice by itself that nobody can dial it (the initial peer's dial-back f
 train; average with the public holder of its block (hivemind client mode); while no relay carries
 dials to it, say "training only (not reachable)" in /v1/status and announce ``serving: false`` so
 routers never pick it; once libp2p's autorelay holds a slot on its initial peer's relay service
-(a few minutes), say "relayed", announce its circuit address, and serve hops through the relay: a
-generation routed through its block, with that block's public holder gone, succeeds.
+(its static relay: seconds after its daemon starts, p2p/reachability.py), say "relayed", announce
+its circuit address, and serve hops through the relay: a generation routed through its block, with
+that block's public holder gone, succeeds.
+
+The fast path is asserted: "relayed" within RELAY_WAIT_S of the member's start, which is less than
+autorelay's 3-minute boot delay alone (the wait a member had when its daemon looked for relays
+itself: 199 s in a run of the old code on 2026-12-01; another such run got a slot after 61 s, so
+this bound alone does not always tell the old path apart, tests/test_p2p_reachability.py pins the
+static relays). A member that never becomes reachable fails the test. The "training only" phase
+(serving: false, routes go around it) is checked when the test sees it, which it does when the
+member's first relay check (20 s after its start) comes after the test's first look (4 of 4 runs
+of this version on 2026-12-01).
 
 Three public hosts: h0 seeds block 0, h1 holds block 0, h2 holds block 1; the NAT member takes
 the least-held block, 1. Figures go to $BT_RELIABILITY_LOG (RELIABILITY.md).
@@ -27,7 +37,7 @@ pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(1200)]
 
 RUN = "nsnat"
 TRAINING_ONLY = "training only (not reachable)"
-RELAY_WAIT_S = 420   # libp2p's autorelay waits out a boot delay (~3.5 min here) when it knows few relays
+RELAY_WAIT_S = 150   # member start -> "relayed": 27-36 s measured (RELIABILITY.md); autorelay's boot delay is 180 s
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +91,10 @@ def test_member_behind_nat_trains_averages_and_serves_through_a_relay(nat_net):
                 answer, _ = seed.generate()
                 assert route_of(answer)[1] == h2.peer_id, answer
                 routed_around += 1
+    # it becomes reachable through a relay, quickly (the fast path: see the module docstring)
+    wait_for(lambda: nat.status()["self"]["reachability"] == "relayed",
+             max(1.0, RELAY_WAIT_S - (time.monotonic() - t_start)), "the NAT member to be reachable through a relay")
+    relayed_after = time.monotonic() - t_start
     # it trains ...
     s0 = nat.status()["self"]["step"]
     wait_for(lambda: nat.status()["self"]["step"] >= s0 + 20, 120, "the NAT member training")
@@ -89,10 +103,7 @@ def test_member_behind_nat_trains_averages_and_serves_through_a_relay(nat_net):
     assert all(v.get("accepted") is True for v in verdicts.values()), verdicts
     avg = nat.status()["averaging"]
     assert avg["succeeded"] >= 1, avg
-    # ... and, once a relay carries dials to it, serves through the relay
-    wait_for(lambda: nat.status()["self"]["reachability"] == "relayed",
-             max(30, RELAY_WAIT_S - (time.monotonic() - t_start)), "the NAT member to be reachable through a relay")
-    relayed_after = time.monotonic() - t_start
+    # ... and, relayed, serves through the relay
     wait_for(lambda: (_holder(seed, nat.peer_id) or {}).get("serving") is True, 60,
              "the NAT member announcing itself as serving")
     h2.signal(signal.SIGTERM)   # its block's public holder leaves: a route through block 1 must use the member

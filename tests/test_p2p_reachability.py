@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 
 import pytest
 from hivemind.p2p import P2P, PeerID
@@ -16,7 +17,8 @@ from blocktrain.p2p.discovery import Discovery
 from blocktrain.p2p.errors import AddressError
 from blocktrain.p2p.hops import decode_meta, encode_meta
 from blocktrain.p2p.reachability import (
-    DIALBACK_NAMESPACE, DialBackService, all_loopback, probe_reachability, request_dial_back, validate_dial_addr,
+    DIALBACK_NAMESPACE, DialBackService, all_loopback, private_dht_options, probe_reachability, request_dial_back,
+    validate_dial_addr,
 )
 from blocktrain.p2p.records import BlockAnnouncement
 
@@ -89,12 +91,55 @@ def test_dial_back_counts_only_addresses_the_caller_listens_on(public):
 
 
 def test_probe_says_reachable_or_unknown_never_guesses(public):
-    ok, hosts = asyncio.run(probe_reachability(public.visible_maddrs(), ["/ip4/127.0.0.1/tcp/0"]))
+    ok, hosts, answered = asyncio.run(probe_reachability(public.visible_maddrs(), ["/ip4/127.0.0.1/tcp/0"]))
     assert ok is True and hosts[0] != "/ip4/127.0.0.1/tcp/0"   # the port the check used is kept
+    assert answered == public.visible_maddrs()
     client = Discovery.start(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=public.visible_maddrs(),
                              client_mode=True)   # a client-mode node answers no dial-back request
     try:
-        ok, _ = asyncio.run(probe_reachability(client.visible_maddrs(), ["/ip4/127.0.0.1/tcp/0"]))
+        ok, _, answered = asyncio.run(probe_reachability(client.visible_maddrs(), ["/ip4/127.0.0.1/tcp/0"]))
     finally:
         client.shutdown()
-    assert ok is None
+    assert ok is None and answered == []
+
+
+RESERVE_WAIT_S = 60.0   # well under autorelay's 3-minute boot delay, which the static-relay mode avoids
+
+
+def _p2pd_flags(p2p: P2P) -> list[str]:
+    with open(f"/proc/{p2p._child.pid}/cmdline") as f:
+        return f.read().split("\0")
+
+
+def test_private_daemon_reserves_a_slot_on_its_static_relay_at_once(public):
+    """The options a node behind NAT starts its daemon with (private_dht_options): autorelay with the
+    initial peer as its only, static relay, so it reserves a slot on the peer's relay service in
+    seconds; with p2pd's relay discovery on (hivemind's default) autorelay waits 3 minutes for 4
+    candidates."""
+    relay = public.visible_maddrs()[0]
+    assert private_dht_options([])["force_reachability"] == "private"   # static mode needs relays
+    two = f"/ip4/10.0.0.1/tcp/1/p2p/{PEER}"
+    assert private_dht_options([two, f"/ip4/10.0.0.2/tcp/2/p2p/{PEER}", relay])["trusted_relays"] == [two, relay]
+
+    async def run():
+        opts = {k: v for k, v in private_dht_options([relay]).items() if k != "client_mode"}
+        me = None
+        try:
+            # listening nowhere, as behind NAT: on loopback a probe that fails through the relay finds
+            # a listening node's own address through the relay's DHT and dials it directly
+            me = await P2P.create(initial_peers=[relay], no_listen=True, dht_mode="client", **opts)
+            flags = _p2pd_flags(me)
+            t0, carried = time.monotonic(), False
+            while not carried and time.monotonic() - t0 < RESERVE_WAIT_S:
+                carried = await request_dial_back(me, public.peer_id, [f"{relay}/p2p-circuit"])
+                if not carried:
+                    await asyncio.sleep(1.0)
+            took = time.monotonic() - t0
+            return flags, carried, took
+        finally:
+            if me is not None:
+                await me.shutdown()
+    flags, carried, took = asyncio.run(run())
+    assert carried, f"no reservation on the static relay within {RESERVE_WAIT_S} s"
+    assert "-relayDiscovery=0" in flags and f"-trustedRelays={relay}" in flags and "-autoRelay=1" in flags, flags
+    print(f"\n[relay] reserved a slot on the static relay {took:.1f} s after the daemon started")
