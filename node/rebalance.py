@@ -134,7 +134,8 @@ class Rebalancer:
         holders, those the router has measured as good first."""
         n = self.node
         need = self.policy.min_keep
-        others = [a.peer_id for a in holders.get(m, []) if a.is_live and a.peer_id != n.peer_id]
+        # ready (online) holders only, as the rule counts them: a joiner still downloading keeps nothing yet
+        others = [a.peer_id for a in holders.get(m, []) if a.state == "online" and a.peer_id != n.peer_id]
         others = n.ranking.order(others)   # measured good holders first, failing ones last
         confirmed = 0
         for peer in others[:CONFIRM_TRIES]:
@@ -153,7 +154,7 @@ class Rebalancer:
     def _download(self, t: int, holders: dict):
         """A trainer of block t holding a checked state downloaded from one of t's live holders."""
         n = self.node
-        others = [a for a in holders.get(t, []) if a.is_live and a.peer_id != n.peer_id]
+        others = [a for a in holders.get(t, []) if a.state == "online" and a.peer_id != n.peer_id]
         trainer = n.new_trainer(t)
         fresh = trainer.check_loss()
         max_up = n.averager.policy.max_loss_increase

@@ -87,3 +87,19 @@ def test_a_refused_move_announces_nothing_and_backs_off():
     assert r.node.moving_to is None and r.node.block_index == 1
     assert len(r.refused) == 1 and "confirmed holder" in r.refused[0]["reason"]
     assert r.retry_at > 0 and r.node.block_since > 0   # no move for a while, no ordinary one for a dwell
+
+
+def test_joiners_still_downloading_are_neither_keepers_nor_state_sources():
+    """A ``joining`` record (a member downloading the block, node/node.py ``_join_announced``) has
+    nothing to keep or give yet: the keeper check does not ask it, and a state fetch (late join,
+    a move's download) does not take a fresh, untrained state from it."""
+    from blocktrain.node.state_fetch import StateFetcher
+
+    r, client = _rebalancer({"a": OK, "j1": OK, "j2": OK})
+    holders = {1: [Holder(1, "me"), Holder(1, "a"), Holder(1, "j1", "joining"), Holder(1, "j2", "joining")]}
+    with pytest.raises(MoveRefused, match="1 confirmed holder"):
+        r._confirm_keepers(1, holders)
+    assert sorted(client.asked) == ["a"]
+    fetcher = StateFetcher(client=None, objective=None, self_peer="me")
+    recs = [SimpleNamespace(peer_id=h.peer_id, state=h.state, is_live=h.is_live, step=0) for h in holders[1]]
+    assert fetcher.order(recs) == ["a"]
