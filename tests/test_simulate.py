@@ -150,6 +150,21 @@ def test_urgent_rule_rescues_a_block_at_one_holder_despite_the_dwell():
     layout = (0,) + tuple(1 + i % 7 for i in range(47))
     s = replace(STILL, initial_layout=layout, rebalance=True, policy=RebalancePolicy(min_dwell_s=1e9))
     on = simulate(s)
-    off = simulate(replace(s, policy=RebalancePolicy(min_dwell_s=1e9, urgent_below=0)))
+    off = simulate(replace(s, policy=RebalancePolicy(min_dwell_s=1e9, urgent_below=0, reserve_below=0)))
     assert off["holders_min"] == 1 and off["moves"] == 0
     assert on["holders_min"] >= 2 and on["coverage"] == 1.0
+
+
+def test_coverage_is_integrated_between_events_not_sampled():
+    """Coverage is exact: the uncovered time is summed from event to event (a block empties and is
+    filled at event times), not read off the 10 s samples, so an episode shorter than a sampling
+    period counts in full; the episode log (what led to each episode) adds up to the same time."""
+    sim = Simulation(replace(CHURNY, members=96, seed=1)).run()
+    eps = sim.episode_log
+    assert len(eps) == sim.episodes > 0
+    closed = [e["length_s"] for e in eps if e["length_s"] is not None]
+    still_open = sum(min(sim.end, sim.now) - sim.empty_since[e["block"]] for e in eps if e["length_s"] is None)
+    assert sim.block_uncovered_s == pytest.approx(sum(closed) + still_open, rel=1e-9)
+    assert any(x < sim.s.period_s for x in closed)          # shorter than a sample period: counted all the same
+    assert {e["cause"] for e in eps} <= {"left (crashed)", "left (withdrew)", "moved away"}
+    assert all(e["lone_s"] >= 0 and e["inflight"] >= e["inflight_moves"] >= 0 for e in eps)
