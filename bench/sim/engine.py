@@ -8,6 +8,9 @@ same live and ready counts ``block_load`` and ``ready_load`` would compute from 
 (``check_view`` rebuilds the view at every join and asserts that). What *happens* is the truth: a block is covered while at least one online
 member has finished downloading it (a ready holder).
 
+Over 400 lines on purpose: one event loop and the bookkeeping every event shares (the view, the truth,
+the measurements and the empty-episode log) stay in one class.
+
 Deterministic given the seed: each member draws its sessions from its own generator, in the same
 order whatever the policy, so both policies see the same arrivals and departures; moves, groups
 and policy draws come from separate generators.
