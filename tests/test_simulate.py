@@ -168,3 +168,14 @@ def test_coverage_is_integrated_between_events_not_sampled():
     assert any(x < sim.s.period_s for x in closed)          # shorter than a sample period: counted all the same
     assert {e["cause"] for e in eps} <= {"left (crashed)", "left (withdrew)", "moved away"}
     assert all(e["lone_s"] >= 0 and e["inflight"] >= e["inflight_moves"] >= 0 for e in eps)
+
+
+def test_moves_take_their_own_time_when_given():
+    """``move_median_s``: a move downloads the state in a running node (no process start, no DHT join);
+    a killed block refilled by movers is empty for less time when moves are faster than joins."""
+    killed = replace(STILL, kill=(1.5, 3), rebalance=True, policy=RebalancePolicy(min_dwell_s=60.0))
+    slow, fast = simulate(killed), simulate(replace(killed, move_median_s=5.0))
+    assert fast["empty_episodes"] == slow["empty_episodes"] == 1
+    assert fast["coverage"] > slow["coverage"]
+    with pytest.raises(ValueError, match="move_median_s"):
+        replace(STILL, move_median_s=0.0).validate()

@@ -334,7 +334,7 @@ class Simulation:
                                  draw=self.move_rng.random(), policy=pol, ready=rdy)
             if t is None:
                 continue
-            download = s.draw_download_s(self.move_rng)
+            download = s.draw_move_s(self.move_rng)
             self.set_pending(m, t, move=True)
             self.switch_t[m] = self.now + download
             self.set_rec(m, t, "joining")
