@@ -179,3 +179,26 @@ def test_moves_take_their_own_time_when_given():
     assert fast["coverage"] > slow["coverage"]
     with pytest.raises(ValueError, match="move_median_s"):
         replace(STILL, move_median_s=0.0).validate()
+
+
+def test_a_move_that_would_empty_its_old_block_is_abandoned():
+    """Member 0 starts moving from block 0 to block 1; the two other holders of block 0 leave while it
+    downloads. When the download ends the member is block 0's last ready holder: it stays (as the node
+    does, ``Rebalancer._others_ready``), and block 0 never empties."""
+    sim = Simulation(replace(STILL, members=4, blocks=2, initial_layout=(0, 0, 0, 1), warmup_h=0.0))
+    sim.start()
+    sim.set_rec(0, 1, "joining")
+    sim.set_pending(0, 1, move=True)
+    for m in (1, 2):
+        sim.leave(m, None, graceful=True)
+    sim.ready_event(0, (sim.session[0], 1))
+    assert sim.block[0] == 0 and sim.pending[0] == -1 and sim.ready == [1, 1]
+    assert sim.recs[0] == {0: "online"} and sim.abandoned == 1 and sim.episodes == 0
+    # with one other ready holder left, the move lands
+    sim = Simulation(replace(STILL, members=4, blocks=2, initial_layout=(0, 0, 0, 1), warmup_h=0.0))
+    sim.start()
+    sim.set_rec(0, 1, "joining")
+    sim.set_pending(0, 1, move=True)
+    sim.leave(1, None, graceful=True)
+    sim.ready_event(0, (sim.session[0], 1))
+    assert sim.block[0] == 1 and sim.ready == [1, 2] and sim.abandoned == 0

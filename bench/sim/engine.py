@@ -98,6 +98,7 @@ class Simulation:
         self.urgent_moves = 0           # moves to a block that had fewer than urgent_below ready holders
         self.reserve_moves = 0          # moves to a block in the reserve tier (urgent_below <= ready < reserve_below)
         self.joins = 0
+        self.abandoned = 0              # moves abandoned at the switch: the mover was its old block's last ready holder
 
     # -- plumbing --------------------------------------------------------------------------------
     def push(self, t: float, kind: int, m: int = -1, arg=None) -> None:
@@ -241,6 +242,12 @@ class Simulation:
             return
         self.set_pending(m, -1)
         old = self.block[m]
+        if old >= 0 and not self.ann_online[old] - {m}:   # no other online record of its old block: the node
+            self.set_rec(m, b, None)                       # abandons the move (node/rebalance.py), stays put
+            self.switch_t[m] = math.inf
+            self.held_since[m] = self.now
+            self.abandoned += self.now >= self.t0
+            return
         if old >= 0:                                      # a move lands: withdraw the old block
             self.cause = "moved away"
             self.unserve(m)

@@ -39,6 +39,7 @@ def summarize(sim: Simulation) -> dict:
         "moves_per_member_day": sim.moves / (s.members * s.days),
         "urgent_moves": sim.urgent_moves,
         "reserve_moves": sim.reserve_moves,
+        "moves_abandoned": sim.abandoned,
         "episodes": sim.episode_log,
         "joins": sim.joins,
         "timeline": {
@@ -87,7 +88,7 @@ def pool(runs: list[dict]) -> dict:
         vals = [r[k] for r in runs]
         if k == "holders_min":
             out[k] = min(vals)
-        elif k in ("empty_episodes", "moves", "urgent_moves", "reserve_moves", "joins", "groups_failed_by_a_departure",
+        elif k in ("empty_episodes", "moves", "urgent_moves", "reserve_moves", "moves_abandoned", "joins", "groups_failed_by_a_departure",
                    "wall_s"):
             out[k] = sum(vals)
         elif k == "episodes":
