@@ -6,7 +6,10 @@ until their TTL runs out (a graceful leave withdraws them at once). Joining uses
 ``least_held`` behind ``choose_block``; rebalancing calls the real ``rebalance_target`` on the
 same live and ready counts ``block_load`` and ``ready_load`` would compute from the view
 (``check_view`` rebuilds the view at every join and asserts that). What *happens* is the truth: a block is covered while at least one online
-member has finished downloading it (a ready holder).
+member has finished downloading it (a ready holder). Coverage is exact: :meth:`advance` integrates the
+time with an empty block between consecutive events (only events change it); holders per block and
+generation success are sampled at every TICK. :meth:`record_episode` logs what led to each empty
+episode.
 
 Over 400 lines on purpose: one event loop and the bookkeeping every event shares (the view, the truth,
 the measurements and the empty-episode log) stay in one class.
