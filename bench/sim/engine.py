@@ -337,13 +337,26 @@ class Simulation:
         cands = sorted(m for b in donors for m in self.members_in[b]
                        if self.pending[m] < 0 and (urgent or self.now - self.held_since[m] >= pol.min_dwell_s))
         self.move_rng.shuffle(cands)  # each member checks at its own phase of the period; order is random
+        neediest = None               # fewest ready holders of a block that wants movers (rule 5), while unchanged
         for m in cands:
             if self.pending[m] >= 0:
                 continue
-            t = rebalance_target(cnt, self.tp, self.block[m], held_for_s=self.now - self.held_since[m],
-                                 draw=self.move_rng.random(), policy=pol, ready=rdy)
+            draw = self.move_rng.random()
+            b = self.block[m]
+            # skip, without changing any draw, a member rebalance_target would surely keep (speed only):
+            # rule 5 moves only from a block with min_surplus more ready holders than the neediest
+            # wanting block; rules 1-4 only after the dwell from a block min_surplus over the least held
+            if neediest is None:
+                neediest = min((rdy[c] for c in range(s.blocks) if pol.wanted(rdy[c], cnt[c] - rdy[c])), default=-1)
+            rescue = neediest >= 0 and rdy[b] - neediest >= pol.min_surplus
+            ordinary = self.now - self.held_since[m] >= pol.min_dwell_s and cnt[b] - min(cnt) >= pol.min_surplus
+            if not (keeps(b) and (rescue or ordinary)):
+                continue
+            t = rebalance_target(cnt, self.tp, b, held_for_s=self.now - self.held_since[m],
+                                 draw=draw, policy=pol, ready=rdy)
             if t is None:
                 continue
+            neediest = None
             download = s.draw_move_s(self.move_rng)
             self.set_pending(m, t, move=True)
             self.switch_t[m] = self.now + download
