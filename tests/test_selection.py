@@ -60,8 +60,9 @@ def test_stays_when_the_spread_is_one_or_the_dwell_is_short():
     assert rebalance_target([6, 2, 3, 3], [0.0] * 4, 0, held_for_s=599.0, draw=EAGER, policy=pol) is None
     assert rebalance_target([6, 2, 3, 3], [0.0] * 4, 0, held_for_s=600.0, draw=EAGER, policy=pol) == 1
     assert rebalance_target([6, 0, 3, 3], [0.0] * 4, 1, held_for_s=LONG, draw=EAGER) is None  # I am the neediest
-    # with the reserve tier (default) the block at 2 ready holders gets one without the dwell
-    assert rebalance_target([6, 2, 3, 3], [0.0] * 4, 0, held_for_s=0.0, draw=EAGER) == 1
+    # with the reserve tier (off by default) the block at 2 ready holders gets one without the dwell
+    assert rebalance_target([6, 2, 3, 3], [0.0] * 4, 0, held_for_s=0.0, draw=EAGER,
+                            policy=RebalancePolicy(reserve_below=3)) == 1
 
 
 def test_never_leaves_a_block_with_fewer_than_min_keep_holders_exhaustive():
@@ -122,7 +123,7 @@ def test_a_block_at_one_ready_holder_is_rescued_without_the_dwell():
 
 
 def test_urgent_stops_when_enough_are_on_their_way_and_never_strips_a_block():
-    pol = RebalancePolicy()
+    pol = RebalancePolicy(reserve_below=3)   # both tiers of rule 5
     # three on their way to block 1 (urgent_inflight): no more rescuers; the ordinary rule: spread 0
     assert rebalance_target([4, 4, 4], [0.0] * 3, 0, held_for_s=0.0, draw=EAGER, ready=[4, 1, 4]) is None
     # block 0 has 3 live but only 2 ready (one still downloading): it gives nobody away

@@ -109,7 +109,7 @@ class RebalancePolicy:
     eagerness: float = 0.5      # expected fraction of the neediest block's deficit filled per period
     urgent_below: int = 2       # a block with fewer ready holders than this is urgent (0: no urgent rule)
     urgent_inflight: int = 3    # ... while fewer than this many holders are on their way to it
-    reserve_below: int = 3      # a block with fewer ready holders than this (and >= urgent_below) is short (0: off)
+    reserve_below: int = 0      # a block with fewer ready holders than this (and >= urgent_below) is short (0: off)
     reserve_inflight: int = 1   # ... while fewer than this many holders are on their way to it
 
     def __post_init__(self) -> None:
