@@ -58,7 +58,9 @@ def test_rebalancing_raises_the_fewest_holders_from_a_skewed_start():
 
 
 def test_under_churn_rebalancing_leaves_blocks_empty_for_less_time():
-    churn = replace(CHURNY, members=96)                                 # ~2 ready holders per block
+    # ~2 ready holders per block; a whole day: with 6 h a seed sees a handful of episodes and the
+    # comparison of 4 seeds was at the mercy of the draws (seeds 100-103 and 200-203 agree at a day)
+    churn = replace(CHURNY, members=96, days=1.0)
     alone = [simulate(replace(churn, seed=s)) for s in range(4)]
     moved = [simulate(replace(churn, seed=s, rebalance=True)) for s in range(4)]
 
