@@ -62,7 +62,7 @@ def node_options(fn):
                           "`bt-node bench simulate`); --no-rebalance pins the block."),
         click.option("--rebalance-dwell", type=click.FloatRange(0, 86400), default=600.0, show_default=True,
                      help="Seconds a block is held before the node may move away from it (a rescue of a block "
-                          "down to one or two ready holders does not wait)."),
+                          "down to one ready holder does not wait)."),
         click.option("--seed", "sample_seed", type=int, default=0, show_default=True),
         click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
                      help="Write a JSON line with peer id, addresses and ports once serving (for scripts)."),
