@@ -4,6 +4,8 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
+from blocktrain.node.routing.selection import RebalancePolicy
+
 from .bench_net_cmds import _f, _record, _say
 from .errors import friendly
 from .render import emit_json, err_console
@@ -52,6 +54,8 @@ def simulate_table(res: dict) -> Table:
 @click.option("--pareto-alpha", type=click.FloatRange(min=1, min_open=True), default=None, help="Pareto shape [1.5].")
 @click.option("--download-median-s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Median block download time, seconds (log-normal, sigma 0.8) [60].")
+@click.option("--move-median-s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Median time of a rebalancing move (state download only: no process start) [as a join].")
 @click.option("--round-window-s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Averaging round window (matchmaking + all-reduce), seconds [8].")
 @click.option("--hop-failure", type=click.FloatRange(0, 1, max_open=True), default=None,
@@ -69,6 +73,10 @@ def simulate_table(res: dict) -> Table:
               help="Rebalancing: a block with fewer ready holders is urgent (moves to it skip the dwell); 0: off.")
 @click.option("--urgent-inflight", type=click.IntRange(1), default=3, show_default=True,
               help="Rebalancing: an urgent block takes movers while fewer than this many are on their way.")
+@click.option("--reserve-below", type=click.IntRange(0), default=RebalancePolicy.reserve_below, show_default=True,
+              help="Rebalancing: a block with fewer ready holders (but not urgent) is short of a reserve; 0: off.")
+@click.option("--reserve-inflight", type=click.IntRange(1), default=RebalancePolicy.reserve_inflight,
+              show_default=True, help="Rebalancing: a short block takes movers while fewer than this many are on their way.")
 @click.option("--seeds", type=click.IntRange(1, 100), default=1, show_default=True,
               help="Seeds per setting (seed, seed+1, ...), figures averaged.")
 @click.option("--seed", type=int, default=0, show_default=True, help="First seed.")
@@ -78,8 +86,8 @@ def simulate_table(res: dict) -> Table:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @friendly
 def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, session_dist, session_median_h,
-                       session_sigma, pareto_alpha, download_median_s, round_window_s, hop_failure, graceful, policy, min_surplus, min_keep,
-                       min_dwell_s, urgent_below, urgent_inflight, seeds, seed, plot, record, as_json):
+                       session_sigma, pareto_alpha, download_median_s, move_median_s, round_window_s, hop_failure, graceful, policy, min_surplus, min_keep,
+                       min_dwell_s, urgent_below, urgent_inflight, reserve_below, reserve_inflight, seeds, seed, plot, record, as_json):
     """Simulate a volunteer network under churn: block coverage, averaging, generation, moves.
 
     \b
@@ -93,13 +101,15 @@ def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, sessi
       bt-node bench simulate --seeds 5 --plot docs/simulation_coverage.png
     """
     from blocktrain.bench.sim import SimSettings, plot_simulation, run_simulation
-    from blocktrain.node.routing.selection import RebalancePolicy
+    from blocktrain.bench.sim.report import episode_causes
 
     base = SimSettings(members=members, days=days, warmup_h=warmup_h, blocks=blocks, seed=seed,
                        policy=RebalancePolicy(min_surplus=min_surplus, min_keep=min_keep, min_dwell_s=min_dwell_s,
-                                              urgent_below=urgent_below, urgent_inflight=urgent_inflight))
+                                              urgent_below=urgent_below, urgent_inflight=urgent_inflight,
+                                              reserve_below=reserve_below, reserve_inflight=reserve_inflight))
     named = {"join_rate_per_day": join_rate, "session_dist": session_dist, "session_median_h": session_median_h,
              "session_sigma": session_sigma, "pareto_alpha": pareto_alpha, "download_median_s": download_median_s,
+             "move_median_s": move_median_s,
              "round_window_s": round_window_s, "hop_failure": hop_failure,
              "graceful_fraction": graceful}
     overrides = {k: v for k, v in named.items() if v is not None}
@@ -117,3 +127,12 @@ def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, sessi
         for name, sc in res["scenarios"].items():
             click.echo(f"{name}: every block held " + ", ".join(
                 f"{100 * r['coverage']:.3f}% ({p})" for p, r in sc["runs"].items()) + " of simulated time")
+            for p, r in sc["runs"].items():
+                c = episode_causes(r["episodes"])
+                if c["episodes"]:
+                    click.echo(f"  {name}, {p}: {c['episodes']} empty episode(s); last ready holder: "
+                               + ", ".join(f"{k} {v}" for k, v in c["last_holder"].items())
+                               + f"; it had been alone {c['lone_s_median']:g} s (median); members downloading the "
+                               "block when it emptied: " + ", ".join(f"{k}: {v}" for k, v in
+                                                                      c["downloading_when_emptied"].items())
+                               + f"; a crashed holder's record still counted as ready in {c['stale_record_hid_it']}")

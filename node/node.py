@@ -139,14 +139,12 @@ class Node:
         td.push("averager", self._stop_averagers, budget=3.0)
         if self.upstream is not None and self.block_index > 0:
             self.refresh_upstream()   # before the late join: judging a download needs blocks < b
-        self._late_join()
-        self.state = "online"
+        self._join_announced()
         if o.http_port is not None:
             from blocktrain.node.http.server import HttpServer
             self.http = HttpServer(self, o.http_host, o.http_port, operator_token=o.operator_token)
             self.http.start()
             td.push("http", self.http.stop, budget=2.0)
-        self.discovery.start_announcing(self.announcements)
         td.push("announcements", lambda: self.discovery.stop_announcing(withdraw=True, timeout=2.5), budget=3.0)
         td.push("final checkpoint", self._final_checkpoint, budget=4.0)
         self._start_loop("train", self._train if self.pipeline is None else self.pipeline.run)
@@ -289,6 +287,22 @@ class Node:
     def refresh_upstream(self) -> bool:
         return self.upstream.refresh(self.fetcher, self.discovery.list_holders(self.run_id), self.errors)
 
+    def _join_announced(self) -> None:
+        """Announce this node's block as ``joining`` while it downloads the block's state, then as
+        ``online``. Other joiners' ``choose_block`` counts a joining record (concurrent joiners spread
+        over the blocks instead of all taking the same least-held one); routers, state fetches and the
+        rebalancing rule's ready counts ignore it: the node is not ready (Petals servers announce
+        JOINING the same way). The simulator (``bench/sim``) models exactly this."""
+        self.state = "joining"
+        self.discovery.start_announcing(self.announcements)
+        # on every exit path from here (a failed late join too), the records are withdrawn
+        self.teardown.push("joining announcement", lambda: self.discovery.stop_announcing(withdraw=True, timeout=2.5),
+                           budget=3.0)
+        self._late_join()
+        self.state = "online"
+        self.discovery.stop_announcing(withdraw=False)   # restart the refresher: "online" is stored now,
+        self.discovery.start_announcing(self.announcements)   # not at its next period
+
     def _late_join(self) -> None:
         """Download the block's current state from a live holder before training (unless resumed)."""
         if self.resumed:
@@ -297,10 +311,9 @@ class Node:
             self._error("late join skipped: no snapshot of the upstream blocks yet to judge a download by")
             return
         others = [a for a in self.discovery.list_holders(self.run_id).get(self.block_index, [])
-                  if a.peer_id != self.peer_id and a.is_live]
+                  if a.peer_id != self.peer_id and a.state == "online"]   # joiners have nothing to give yet
         if not others:
             return
-        self.state = "joining"
         try:
             self.downloaded = self.averager.download_state(timeout=30)
         except ValueError as e:

@@ -21,9 +21,11 @@ A move from block m to block t (:meth:`Rebalancer.move`), while the node keeps t
    match and its held-out check loss must not be worse than a fresh block's; a bad offer is refused
    and the next holder asked; no acceptable offer: the move is abandoned (the ``joining`` record is
    tombstoned), nothing of block m changed;
-3. start t's averager (a child process), serve t's hops and state, then switch: trainer, averager,
+3. if block m has no other ready holder any more (they left during the download), the move is
+   abandoned as in 2: leaving would only trade one empty block for another;
+4. start t's averager (a child process), serve t's hops and state, then switch: trainer, averager,
    router, announcement (t ``online``); m's checkpoint is written and m's record tombstoned;
-4. after a grace period (routers cache holder lists for 3 s) stop serving m and its averager.
+5. after a grace period (routers cache holder lists for 3 s) stop serving m and its averager.
 
 Forward-chained objectives (a block trains on snapshots of the blocks before it) do not move: the
 node does not start a rebalancer for them (a move would also have to rebuild those snapshots).
@@ -106,6 +108,8 @@ class Rebalancer:
                 trainer, fetched = self._download(t, holders)
                 if stop.is_set():
                     raise MoveRefused("the node is stopping")
+                if not self._others_ready(m):   # they left while this node downloaded: do not empty m
+                    raise MoveRefused(f"block {m} has no other ready holder now: leaving would empty it")
                 new_avg = n.new_averager(trainer)
                 if stop.is_set():
                     raise MoveRefused("the node is stopping")
@@ -134,7 +138,8 @@ class Rebalancer:
         holders, those the router has measured as good first."""
         n = self.node
         need = self.policy.min_keep
-        others = [a.peer_id for a in holders.get(m, []) if a.is_live and a.peer_id != n.peer_id]
+        # ready (online) holders only, as the rule counts them: a joiner still downloading keeps nothing yet
+        others = [a.peer_id for a in holders.get(m, []) if a.state == "online" and a.peer_id != n.peer_id]
         others = n.ranking.order(others)   # measured good holders first, failing ones last
         confirmed = 0
         for peer in others[:CONFIRM_TRIES]:
@@ -150,10 +155,18 @@ class Rebalancer:
         raise MoveRefused(f"block {m} would keep {confirmed} confirmed holder(s) besides this node "
                           f"(asked {min(len(others), CONFIRM_TRIES)} of {len(others)} announced), fewer than {need}")
 
+    def _others_ready(self, m: int) -> bool:
+        """Does block m have a ready (online) holder besides this node, as the DHT says now? Checked
+        after the download, just before the switch: holders that confirmed at the start may have left
+        meanwhile, and a move that leaves m with none would only trade one empty block for another."""
+        n = self.node
+        return any(a.state == "online" and a.peer_id != n.peer_id
+                   for a in n.discovery.list_holders(n.run_id).get(m, []))
+
     def _download(self, t: int, holders: dict):
         """A trainer of block t holding a checked state downloaded from one of t's live holders."""
         n = self.node
-        others = [a for a in holders.get(t, []) if a.is_live and a.peer_id != n.peer_id]
+        others = [a for a in holders.get(t, []) if a.state == "online" and a.peer_id != n.peer_id]
         trainer = n.new_trainer(t)
         fresh = trainer.check_loss()
         max_up = n.averager.policy.max_loss_increase

@@ -1,6 +1,6 @@
 """One way to fetch a block's current state from the network: late join, upstream snapshots, export.
 
-:meth:`StateFetcher.fetch` asks a block's live holders, best first by this node's own
+:meth:`StateFetcher.fetch` asks a block's online holders (not those still joining), best first by this node's own
 measurements (``routing/ranking.py``; among peers never measured, the one claiming the most
 steps first), downloads the state over the block RPC, and keeps the first offer that passes
 :meth:`build_checked` (every tensor finite, and the state loads strictly into a fresh block: no
@@ -53,7 +53,8 @@ class StateFetcher:
         return m
 
     def order(self, holders: Sequence[BlockAnnouncement]) -> list[str]:
-        live = [a for a in holders if a.is_live and a.peer_id != self.self_peer]
+        # online holders only: a ``joining`` one is still downloading and has nothing to give yet
+        live = [a for a in holders if a.state == "online" and a.peer_id != self.self_peer]
         claimed = {a.peer_id: a.step for a in live}
         by_claim = sorted(claimed, key=lambda p: -claimed[p])   # a stable sort keeps this among equals
         cost = {p: self.ranking.cost(p) for p in by_claim}

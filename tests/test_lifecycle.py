@@ -334,3 +334,48 @@ def test_sigkilled_bench_leaves_no_reference_process(tmp_path):
         assert not left, describe(left)
     finally:
         kill_all_procs(procs)
+
+
+def test_joiner_is_announced_joining_while_it_downloads_then_online(anchor, reader):
+    """``Node._join_announced`` (node/node.py) on a real DHT (the anchor's): while the late join runs,
+    the node's record is visible as ``joining`` (other joiners' ``choose_block`` counts it, routers and
+    the rebalancing rule's ready counts do not); afterwards ``online``; the teardown withdraws it.
+    Only the late join itself is replaced (by the check), so the test needs no second node process."""
+    from types import SimpleNamespace
+
+    from blocktrain.node.loops import Teardown
+    from blocktrain.node.node import Node
+    from blocktrain.node.routing.selection import block_load, ready_load
+    from blocktrain.p2p.records import BlockAnnouncement
+
+    cfg_hash = reader.get_manifest(ANCHOR_RUN).config_hash
+    disc = Discovery.start(initial_peers=anchor["maddrs"][:1], run_ids=[ANCHOR_RUN])
+    ns = SimpleNamespace(discovery=disc, teardown=Teardown(), state="starting")
+    ns.announcements = lambda: [BlockAnnouncement(
+        peer_id=disc.peer_id, block_index=1, state=ns.state, step=0, samples_seen=0, throughput=0.0, serving=True,
+        software_version="test", config_hash=cfg_hash, run_id=ANCHOR_RUN)]
+
+    def mine() -> list:
+        return [a for a in reader.list_holders(ANCHOR_RUN).get(1, []) if a.peer_id == disc.peer_id]
+
+    seen = {}
+
+    def late_join() -> None:   # what others see while this node downloads
+        seen["during"] = wait_for(lambda: [a.state for a in mine()], 30, "the joining record")
+        holders = reader.list_holders(ANCHOR_RUN)
+        others = {b: [a for a in anns if a.peer_id != disc.peer_id] for b, anns in holders.items()}
+        seen["counted"] = [f(h, 2)[1] for f in (lambda h, n: block_load(h, n)[0], ready_load) for h in (holders, others)]
+
+    ns._late_join = late_join
+    try:
+        Node._join_announced(ns)
+        assert seen["during"] == ["joining"]
+        live, live_others, ready, ready_others = seen["counted"]
+        assert live == live_others + 1 and ready == ready_others   # counted by joiners, not as ready
+        assert ns.state == "online"
+        assert wait_for(lambda: [a.state for a in mine()] == ["online"], 30, "the online record")
+        ns.teardown.close(deadline=10)
+        assert wait_for(lambda: not mine(), 10, "the record withdrawn")
+    finally:
+        ns.teardown.close(deadline=10)
+        disc.shutdown(withdraw=False)

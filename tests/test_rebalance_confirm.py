@@ -87,3 +87,62 @@ def test_a_refused_move_announces_nothing_and_backs_off():
     assert r.node.moving_to is None and r.node.block_index == 1
     assert len(r.refused) == 1 and "confirmed holder" in r.refused[0]["reason"]
     assert r.retry_at > 0 and r.node.block_since > 0   # no move for a while, no ordinary one for a dwell
+
+
+def test_joiners_still_downloading_are_neither_keepers_nor_state_sources():
+    """A ``joining`` record (a member downloading the block, node/node.py ``_join_announced``) has
+    nothing to keep or give yet: the keeper check does not ask it, and a state fetch (late join,
+    a move's download) does not take a fresh, untrained state from it."""
+    from blocktrain.node.state_fetch import StateFetcher
+
+    r, client = _rebalancer({"a": OK, "j1": OK, "j2": OK})
+    holders = {1: [Holder(1, "me"), Holder(1, "a"), Holder(1, "j1", "joining"), Holder(1, "j2", "joining")]}
+    with pytest.raises(MoveRefused, match="1 confirmed holder"):
+        r._confirm_keepers(1, holders)
+    assert sorted(client.asked) == ["a"]
+    fetcher = StateFetcher(client=None, objective=None, self_peer="me")
+    recs = [SimpleNamespace(peer_id=h.peer_id, state=h.state, is_live=h.is_live, step=0) for h in holders[1]]
+    assert fetcher.order(recs) == ["a"]
+
+
+class _Holders:
+    """A DHT view: list_holders answers ``holders``; what the move stores is recorded."""
+
+    def __init__(self, holders: dict):
+        self.holders, self.calls = holders, []
+
+    def list_holders(self, run_id):
+        assert run_id == RUN
+        return self.holders
+
+    def __getattr__(self, name):   # announce, withdraw, start_announcing
+        return lambda *a, **k: self.calls.append(name)
+
+
+def test_a_move_does_not_switch_away_from_the_last_ready_holder():
+    """After the download, just before the switch: if block 1 has no other online holder any more (the
+    keepers confirmed at the start left meanwhile; a joiner still downloading does not count), the
+    move is abandoned rather than trading one empty block for another."""
+    r, _ = _rebalancer({})
+    r.node.discovery = _Holders({1: [Holder(1, "me"), Holder(1, "j", "joining")]})
+    assert not r._others_ready(1)
+    r.node.discovery = _Holders({1: [Holder(1, "me"), Holder(1, "a")]})
+    assert r._others_ready(1)
+
+
+def test_a_move_whose_old_block_emptied_during_the_download_is_abandoned_before_the_switch():
+    """The whole move: the keepers confirm, the download succeeds, then the DHT shows no other online
+    holder of block 1: the move is refused there (no new averager, no switch), its joining record
+    withdrawn, the node still on block 1."""
+    r, _ = _rebalancer({"a": OK, "b": OK})
+    n = r.node
+    switched = []
+    n.discovery = _Holders({1: [Holder(1, "me"), Holder(1, "j", "joining")]})   # a and b left meanwhile
+    n.announcements = lambda: [Holder(1, "me"), Holder(0, "me", "joining")]
+    n.new_averager = lambda trainer: switched.append(trainer) or SimpleNamespace(shutdown=lambda: True)
+    n._serving, n.stop_event, n._error = {}, threading.Event(), lambda msg: None
+    r._download = lambda t, holders: (SimpleNamespace(step=0), SimpleNamespace(peer="a"))
+    assert r.move(0, _holders(["a", "b"]), threading.Event()) is None
+    assert not switched and n.block_index == 1 and n.moving_to is None
+    assert "no other ready holder" in r.refused[-1]["reason"]
+    assert n.discovery.calls[0] == "announce" and "withdraw" in n.discovery.calls

@@ -91,7 +91,8 @@ def test_surplus_node_moves_to_needier_block_and_bad_state_is_refused(tmp_path):
         gen_stop.set()
         gen.join(timeout=60)
         ok = sum(1 for _, good, _ in results if good)
-        report("rebalance_move", move_s=round(took, 1), moves=moves, blocks=blocks, generations=len(results),
+        report("rebalance_move", move_s=round(took, 1), move_took_s=st["rebalance"]["moves"][-1]["took_s"],
+               moves=moves, blocks=blocks, generations=len(results),
                generations_ok=ok, refused=len(got))
         assert sorted(blocks) == [0, 0, 1], blocks
         assert sum(moves) == 1, moves

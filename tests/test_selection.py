@@ -55,10 +55,14 @@ def test_moves_from_a_crowded_block_to_an_empty_one():
 
 
 def test_stays_when_the_spread_is_one_or_the_dwell_is_short():
-    assert rebalance_target([3, 2, 3, 3], [0.0] * 4, 0, held_for_s=LONG, draw=EAGER) is None
-    assert rebalance_target([6, 2, 3, 3], [0.0] * 4, 0, held_for_s=599.0, draw=EAGER) is None
-    assert rebalance_target([6, 2, 3, 3], [0.0] * 4, 0, held_for_s=600.0, draw=EAGER) == 1
+    pol = RebalancePolicy(reserve_below=0)   # rules 1-4 (a block at 2 ready holders is the reserve tier's, below)
+    assert rebalance_target([3, 2, 3, 3], [0.0] * 4, 0, held_for_s=LONG, draw=EAGER, policy=pol) is None
+    assert rebalance_target([6, 2, 3, 3], [0.0] * 4, 0, held_for_s=599.0, draw=EAGER, policy=pol) is None
+    assert rebalance_target([6, 2, 3, 3], [0.0] * 4, 0, held_for_s=600.0, draw=EAGER, policy=pol) == 1
     assert rebalance_target([6, 0, 3, 3], [0.0] * 4, 1, held_for_s=LONG, draw=EAGER) is None  # I am the neediest
+    # with the reserve tier (off by default) the block at 2 ready holders gets one without the dwell
+    assert rebalance_target([6, 2, 3, 3], [0.0] * 4, 0, held_for_s=0.0, draw=EAGER,
+                            policy=RebalancePolicy(reserve_below=3)) == 1
 
 
 def test_never_leaves_a_block_with_fewer_than_min_keep_holders_exhaustive():
@@ -119,7 +123,7 @@ def test_a_block_at_one_ready_holder_is_rescued_without_the_dwell():
 
 
 def test_urgent_stops_when_enough_are_on_their_way_and_never_strips_a_block():
-    pol = RebalancePolicy()
+    pol = RebalancePolicy(reserve_below=3)   # both tiers of rule 5
     # three on their way to block 1 (urgent_inflight): no more rescuers; the ordinary rule: spread 0
     assert rebalance_target([4, 4, 4], [0.0] * 3, 0, held_for_s=0.0, draw=EAGER, ready=[4, 1, 4]) is None
     # block 0 has 3 live but only 2 ready (one still downloading): it gives nobody away
@@ -138,10 +142,36 @@ def test_urgent_stops_when_enough_are_on_their_way_and_never_strips_a_block():
                     continue
                 moves += 1
                 assert counts[my] - 1 >= pol.min_keep and ready[my] - 1 >= pol.min_keep, (counts, ready, my, t)
-                assert ready[t] < pol.urgent_below and counts[t] - ready[t] < pol.urgent_inflight, (counts, ready, t)
-                assert ready[t] == min(ready), (counts, ready, my, t)
+                assert pol.wanted(ready[t], counts[t] - ready[t]) > 0, (counts, ready, t)   # urgent or reserve
+                short = [b for b in range(3) if pol.wanted(ready[b], counts[b] - ready[b])]
+                assert ready[t] == min(ready[b] for b in short), (counts, ready, my, t)   # the neediest first
                 urgent += 1
     assert moves == urgent > 50     # held 0 s: only urgent moves, and there are some
+
+
+def test_a_second_block_in_danger_is_rescued_while_the_first_has_enough_on_their_way():
+    """Block 1 is empty but three holders are on their way to it; block 0 has one ready holder and
+    nobody coming: the rescuers go to block 0 (the neediest block still wanting holders), not nowhere."""
+    counts, ready = [1, 3, 5], [1, 0, 5]
+    assert rebalance_target(counts, [0.0] * 3, 2, held_for_s=0.0, draw=EAGER, ready=ready) == 0
+    assert rebalance_target([2, 1, 5], [0.0] * 3, 2, held_for_s=0.0, draw=EAGER, ready=[1, 0, 5]) == 1   # fewest ready first
+
+
+def test_reserve_tier_sends_one_holder_to_a_block_at_two_ready_before_it_is_in_danger():
+    """With ``reserve_below=3`` a block at 2 ready holders and nobody on the way gets one holder
+    (from a block with 2 more ready holders, which keeps 2), without the dwell; once one is on its way,
+    or by default (reserve off), nobody moves."""
+    reserve = RebalancePolicy(reserve_below=3)
+    counts, ready = [4, 2, 3], [4, 2, 3]
+    assert rebalance_target(counts, [0.0] * 3, 0, held_for_s=0.0, draw=EAGER, ready=ready, policy=reserve) == 1
+    assert rebalance_target(counts, [0.0] * 3, 2, held_for_s=0.0, draw=EAGER, ready=ready, policy=reserve) is None
+    assert rebalance_target([4, 3, 3], [0.0] * 3, 0, held_for_s=0.0, draw=EAGER, ready=[4, 2, 3],
+                            policy=reserve) is None           # one on its way already
+    assert rebalance_target(counts, [0.0] * 3, 0, held_for_s=0.0, draw=EAGER, ready=ready,
+                            policy=RebalancePolicy(reserve_below=0)) is None
+    assert reserve.wanted(1, 0) == 3 and reserve.wanted(2, 0) == 1 and reserve.wanted(2, 1) == 0
+    with pytest.raises(ValueError, match="reserve"):
+        RebalancePolicy(reserve_inflight=0)
 
 
 def test_policy_rejects_bad_urgent_knobs():

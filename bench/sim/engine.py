@@ -6,7 +6,13 @@ until their TTL runs out (a graceful leave withdraws them at once). Joining uses
 ``least_held`` behind ``choose_block``; rebalancing calls the real ``rebalance_target`` on the
 same live and ready counts ``block_load`` and ``ready_load`` would compute from the view
 (``check_view`` rebuilds the view at every join and asserts that). What *happens* is the truth: a block is covered while at least one online
-member has finished downloading it (a ready holder).
+member has finished downloading it (a ready holder). Coverage is exact: :meth:`advance` integrates the
+time with an empty block between consecutive events (only events change it); holders per block and
+generation success are sampled at every TICK. :meth:`record_episode` logs what led to each empty
+episode.
+
+Over 400 lines on purpose: one event loop and the bookkeeping every event shares (the view, the truth,
+the measurements and the empty-episode log) stay in one class.
 
 Deterministic given the seed: each member draws its sessions from its own generator, in the same
 order whatever the policy, so both policies see the same arrivals and departures; moves, groups
@@ -47,6 +53,7 @@ class Simulation:
         self.online = [False] * n
         self.block = [-1] * n           # block served (download finished), -1 none
         self.pending = [-1] * n         # block being downloaded (join or move), -1 none
+        self.moving = [False] * n       # ... by a move (the member serves another block meanwhile)
         self.session = [0] * n
         self.join_t = [0.0] * n
         self.leave_t = [math.inf] * n
@@ -73,6 +80,12 @@ class Simulation:
         self.block_uncovered_s = 0.0
         self.episodes = 0
         self.empty_since = [0.0] * nb
+        self.lone_since = [0.0] * nb    # when the block last went down to one ready holder
+        self.inflight = [0] * nb        # members downloading the block now (joiners and movers): the truth
+        self.inflight_moves = [0] * nb  # of those, movers
+        self.cause = ""                 # why the member being unserved stops serving (episode records)
+        self.episode_log: list[dict] = []   # every empty episode in measured time: what led to it
+        self.open_episode: dict[int, dict] = {}
         self.episode_s: list[float] = []
         nbins = int(math.ceil(s.days * DAY / s.bin_s))
         self.bin_uncovered = np.zeros(nbins)
@@ -86,7 +99,9 @@ class Simulation:
         self.rounds_failed_leave = 0
         self.moves = 0
         self.urgent_moves = 0           # moves to a block that had fewer than urgent_below ready holders
+        self.reserve_moves = 0          # moves to a block in the reserve tier (urgent_below <= ready < reserve_below)
         self.joins = 0
+        self.abandoned = 0              # moves abandoned at the switch: the mover was its old block's last ready holder
 
     # -- plumbing --------------------------------------------------------------------------------
     def push(self, t: float, kind: int, m: int = -1, arg=None) -> None:
@@ -145,25 +160,55 @@ class Simulation:
                 h.setdefault(b, []).append(Holder(b, f"m{m}", st, float(self.tput[m])))
         return h
 
-    def serve(self, m: int, b: int) -> None:
+    def serve(self, m: int, b: int, how: str = "join") -> None:
         self.block[m] = b
         self.members_in[b].add(m)
         self.ready[b] += 1
         if self.ready[b] == 1:
             self.n_zero -= 1
+            self.lone_since[b] = self.now
             if self.now > self.t0 and self.empty_since[b] >= self.t0:
                 self.episode_s.append(self.now - self.empty_since[b])
+            ep = self.open_episode.pop(b, None)
+            if ep is not None:
+                ep["length_s"], ep["ended_by"] = self.now - self.empty_since[b], how
 
     def unserve(self, m: int) -> None:
         b = self.block[m]
         self.block[m] = -1
         self.members_in[b].discard(m)
         self.ready[b] -= 1
+        if self.ready[b] == 1:
+            self.lone_since[b] = self.now
         if self.ready[b] == 0:
             self.n_zero += 1
             self.empty_since[b] = self.now
             if self.now >= self.t0:
                 self.episodes += 1
+                self.record_episode(m, b)
+
+    def record_episode(self, m: int, b: int) -> None:
+        """What led to block b's empty episode, as it starts: how its last ready holder went, how long it
+        had been the only one, and who was on the way (the truth, and the announced view)."""
+        ep = {"t_h": round((self.now - self.t0) / HOUR, 3), "block": b, "cause": self.cause,
+              "lone_s": round(self.now - self.lone_since[b], 1), "held_s": round(self.now - self.held_since[m], 1),
+              "inflight": self.inflight[b], "inflight_moves": self.inflight_moves[b],
+              "announced_live": self.cnt[b], "announced_ready": self.rdy[b],
+              "ready_elsewhere_min": min((r for c, r in enumerate(self.ready) if c != b), default=0),
+              "length_s": None, "ended_by": None}
+        self.episode_log.append(ep)
+        self.open_episode[b] = ep
+
+    def set_pending(self, m: int, b: int, move: bool = False) -> None:
+        """Member m starts downloading block b (b >= 0), or stops (b = -1: landed, or left)."""
+        old = self.pending[m]
+        if old >= 0:
+            self.inflight[old] -= 1
+            self.inflight_moves[old] -= self.moving[m]
+        self.pending[m], self.moving[m] = b, move and b >= 0
+        if b >= 0:
+            self.inflight[b] += 1
+            self.inflight_moves[b] += self.moving[m]
 
     # -- events ----------------------------------------------------------------------------------
     def join(self, m: int, layout_block: int | None = None) -> None:
@@ -191,21 +236,28 @@ class Simulation:
             assert ready_load(view, s.blocks) == self.rdy, "ready view out of step"
             assert choose_block(view, s.blocks) == b
         self.set_rec(m, b, "joining")
-        self.pending[m] = b
+        self.set_pending(m, b)
         self.push(self.now + download, READY, m, (self.session[m], b))
 
     def ready_event(self, m: int, arg) -> None:
         sess, b = arg
         if sess != self.session[m] or not self.online[m] or self.pending[m] != b:
             return
-        self.pending[m] = -1
+        self.set_pending(m, -1)
         old = self.block[m]
+        if old >= 0 and not self.ann_online[old] - {m}:   # no other online record of its old block: the node
+            self.set_rec(m, b, None)                       # abandons the move (node/rebalance.py), stays put
+            self.switch_t[m] = math.inf
+            self.held_since[m] = self.now
+            self.abandoned += self.now >= self.t0
+            return
         if old >= 0:                                      # a move lands: withdraw the old block
+            self.cause = "moved away"
             self.unserve(m)
             self.set_rec(m, old, None)
             self.switch_t[m] = math.inf
         self.set_rec(m, b, "online")
-        self.serve(m, b)
+        self.serve(m, b, "move" if old >= 0 else "join")
         self.held_since[m] = self.now
 
     def leave(self, m: int, sess, graceful: bool | None = None) -> None:
@@ -216,8 +268,9 @@ class Simulation:
         self.online[m] = False
         self.leave_t[m] = self.now
         if self.block[m] >= 0:
+            self.cause = "left (withdrew)" if graceful else "left (crashed)"
             self.unserve(m)
-        self.pending[m] = -1
+        self.set_pending(m, -1)
         self.switch_t[m] = math.inf
         period = self.s.period_s
         last = self.join_t[m] + math.floor((self.now - self.join_t[m]) / period) * period
@@ -276,27 +329,42 @@ class Simulation:
             return cnt[b] - 1 >= pol.min_keep and rdy[b] - 1 >= pol.min_keep
 
         lo = min(cnt)
-        urgent = min(rdy) < pol.urgent_below     # the urgent rule may apply: no dwell, any block that keeps 2
+        # rule 5 (urgent or reserve) may apply: no dwell, any block that keeps 2
+        urgent = any(pol.wanted(rdy[b], cnt[b] - rdy[b]) for b in range(s.blocks))
         if not urgent and max(cnt) - lo < pol.min_surplus:
             return
         donors = [b for b in range(s.blocks) if keeps(b) and (urgent or cnt[b] - lo >= pol.min_surplus)]
         cands = sorted(m for b in donors for m in self.members_in[b]
                        if self.pending[m] < 0 and (urgent or self.now - self.held_since[m] >= pol.min_dwell_s))
         self.move_rng.shuffle(cands)  # each member checks at its own phase of the period; order is random
+        neediest = None               # fewest ready holders of a block that wants movers (rule 5), while unchanged
         for m in cands:
             if self.pending[m] >= 0:
                 continue
-            t = rebalance_target(cnt, self.tp, self.block[m], held_for_s=self.now - self.held_since[m],
-                                 draw=self.move_rng.random(), policy=pol, ready=rdy)
+            draw = self.move_rng.random()
+            b = self.block[m]
+            # skip, without changing any draw, a member rebalance_target would surely keep (speed only):
+            # rule 5 moves only from a block with min_surplus more ready holders than the neediest
+            # wanting block; rules 1-4 only after the dwell from a block min_surplus over the least held
+            if neediest is None:
+                neediest = min((rdy[c] for c in range(s.blocks) if pol.wanted(rdy[c], cnt[c] - rdy[c])), default=-1)
+            rescue = neediest >= 0 and rdy[b] - neediest >= pol.min_surplus
+            ordinary = self.now - self.held_since[m] >= pol.min_dwell_s and cnt[b] - min(cnt) >= pol.min_surplus
+            if not (keeps(b) and (rescue or ordinary)):
+                continue
+            t = rebalance_target(cnt, self.tp, b, held_for_s=self.now - self.held_since[m],
+                                 draw=draw, policy=pol, ready=rdy)
             if t is None:
                 continue
-            download = s.draw_download_s(self.move_rng)
-            self.pending[m] = t
+            neediest = None
+            download = s.draw_move_s(self.move_rng)
+            self.set_pending(m, t, move=True)
             self.switch_t[m] = self.now + download
             self.set_rec(m, t, "joining")
             self.push(self.now + download, READY, m, (self.session[m], t))
             self.moves += self.now >= self.t0
             self.urgent_moves += self.now >= self.t0 and rdy[t] < pol.urgent_below
+            self.reserve_moves += self.now >= self.t0 and pol.urgent_below <= rdy[t] < pol.reserve_below
 
     def round(self) -> None:
         s = self.s

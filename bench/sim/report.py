@@ -38,6 +38,9 @@ def summarize(sim: Simulation) -> dict:
         "moves": sim.moves,
         "moves_per_member_day": sim.moves / (s.members * s.days),
         "urgent_moves": sim.urgent_moves,
+        "reserve_moves": sim.reserve_moves,
+        "moves_abandoned": sim.abandoned,
+        "episodes": sim.episode_log,
         "joins": sim.joins,
         "timeline": {
             "hour": [round(per * (i + 0.5) / HOUR, 4) for i in range(len(bins))],
@@ -85,8 +88,11 @@ def pool(runs: list[dict]) -> dict:
         vals = [r[k] for r in runs]
         if k == "holders_min":
             out[k] = min(vals)
-        elif k in ("empty_episodes", "moves", "urgent_moves", "joins", "groups_failed_by_a_departure", "wall_s"):
+        elif k in ("empty_episodes", "moves", "urgent_moves", "reserve_moves", "moves_abandoned", "joins", "groups_failed_by_a_departure",
+                   "wall_s"):
             out[k] = sum(vals)
+        elif k == "episodes":
+            out[k] = [dict(e, seed=i) for i, r in enumerate(runs) for e in r[k]]
         elif k == "empty_episode_mean_s":
             eps = [(r[k], r["empty_episodes"]) for r in runs if r[k] is not None]
             out[k] = sum(m * n for m, n in eps) / sum(n for _, n in eps) if eps else None
@@ -94,6 +100,23 @@ def pool(runs: list[dict]) -> dict:
             out[k] = sum(vals) / len(vals)
     out["coverage_by_seed"] = [r["coverage"] for r in runs]
     return out
+
+
+def episode_causes(episodes: list[dict]) -> dict:
+    """What led to the empty episodes (:meth:`Simulation.record_episode`): how the last ready holder
+    went, how long it had been the only one, how many members were downloading the block meanwhile."""
+    if not episodes:
+        return {"episodes": 0}
+    lone = sorted(e["lone_s"] for e in episodes)
+    inflight: dict[str, int] = {}
+    causes: dict[str, int] = {}
+    for e in episodes:
+        k = str(min(e["inflight"], 3)) + ("+" if e["inflight"] >= 3 else "")
+        inflight[k] = inflight.get(k, 0) + 1
+        causes[e["cause"]] = causes.get(e["cause"], 0) + 1
+    return {"episodes": len(episodes), "last_holder": causes, "downloading_when_emptied": dict(sorted(inflight.items())),
+            "lone_s_median": lone[len(lone) // 2],
+            "stale_record_hid_it": sum(e["announced_ready"] >= 2 for e in episodes)}
 
 
 def run_simulation(base: SimSettings, churns: list[str] | None = None, policies: list[str] | None = None,
@@ -154,5 +177,5 @@ def plot_simulation(res: dict, path: str | Path) -> Path:
     return save(plt, fig, path)
 
 
-__all__ = ["run_simulation", "simulate", "summarize", "pool", "plot_simulation", "POLICIES", "COVERAGE_BAR",
+__all__ = ["run_simulation", "simulate", "summarize", "pool", "episode_causes", "plot_simulation", "POLICIES", "COVERAGE_BAR",
            "CHURN_PRESETS", "SimSettings"]

@@ -25,17 +25,24 @@ The node moves from its block ``m`` to ``t`` only if all of these hold:
    nodes in expectation (default half the deficit), not every surplus holder at once (Petals
    staggers its servers' checks for the same reason).
 
-5. **Urgent** (checked first, no dwell): let ``u`` be the block with the fewest ready holders. If
-   ``r[u] < urgent_below`` (default 2: one ready holder, or none) and fewer than ``urgent_inflight``
-   (default 3) holders are on their way to it (``n[u] - r[u]``), a node whose block keeps two live
-   and two ready holders (rule 3) moves to ``u`` with probability ``eagerness * wanted / donors``
-   (``wanted = urgent_inflight - (n[u] - r[u])``, ``donors`` the ready holders of every such
-   block), or if rules 1-4 pick ``u`` anyway; while a block is urgent its rescuers make no ordinary
-   move elsewhere. A block at one ready holder empties if that holder leaves before a joiner has
-   finished downloading; the simulator found those to be most of the remaining empty episodes.
-   The rule cannot flap: it only takes from blocks that keep two ready holders, so it never makes
-   a block urgent. On one stale view shared by every node it overshoots more than rules 1-4
-   (``tests/test_selection.py``).
+5. **Short blocks** (checked first, no dwell), in two tiers. A block with ``r`` ready holders and
+   ``k = n - r`` holders on their way wants ``RebalancePolicy.wanted(r, k)`` more movers:
+   *urgent* below ``urgent_below`` ready holders (default 2: one ready holder, or none), up to
+   ``urgent_inflight`` (default 3) on their way; *reserve* below ``reserve_below`` ready holders
+   (``reserve_below``: 0 turns the tier off), up to ``reserve_inflight`` (default 1) on their way, so a
+   block at 2 ready holders has a rescuer downloading before its next departure leaves it at one.
+   Let ``u`` be the block with the fewest ready holders among those that want movers (a block that
+   already has enough on their way does not hide a second one in danger). A node whose block keeps
+   two live and two ready holders (rule 3) and has at least ``min_surplus`` more ready holders than
+   ``u`` moves to ``u`` with probability ``eagerness * wanted / donors`` (``donors`` the ready
+   holders of every such block), or if rules 1-4 pick ``u`` anyway; while a block wants movers its
+   rescuers make no ordinary move elsewhere. A block at one ready holder empties if that holder
+   leaves before a rescuer has finished downloading; the simulator found those to be most of the
+   remaining empty episodes (``bench/sim``: ``episodes`` says, per episode, how the last holder
+   went, how long it had been alone and how many were downloading). The rule cannot flap: it only
+   takes from blocks that keep two ready holders and have ``min_surplus`` more than ``u``, so a
+   donor never becomes needier than ``u`` was. On one stale view shared by every node it overshoots
+   more than rules 1-4 (``tests/test_selection.py``).
 
 Nodes that check one after another, each seeing the moves announced before it, converge without
 any node moving back to a block it left (``tests/test_selection.py``). Nodes deciding on one stale
@@ -102,6 +109,8 @@ class RebalancePolicy:
     eagerness: float = 0.5      # expected fraction of the neediest block's deficit filled per period
     urgent_below: int = 2       # a block with fewer ready holders than this is urgent (0: no urgent rule)
     urgent_inflight: int = 3    # ... while fewer than this many holders are on their way to it
+    reserve_below: int = 0      # a block with fewer ready holders than this (and >= urgent_below) is short (0: off)
+    reserve_inflight: int = 1   # ... while fewer than this many holders are on their way to it
 
     def __post_init__(self) -> None:
         if self.min_surplus < 2:
@@ -113,8 +122,21 @@ class RebalancePolicy:
         if self.urgent_below < 0 or self.urgent_inflight < 1:
             raise ValueError(f"urgent_below must be >= 0 and urgent_inflight >= 1, got {self.urgent_below}, "
                              f"{self.urgent_inflight}")
+        if self.reserve_below < 0 or self.reserve_inflight < 1:
+            raise ValueError(f"reserve_below must be >= 0 and reserve_inflight >= 1, got {self.reserve_below}, "
+                             f"{self.reserve_inflight}")
         if not 0 < self.eagerness <= 1:
             raise ValueError(f"eagerness must be in (0, 1], got {self.eagerness}")
+
+    def wanted(self, ready: int, inflight: int) -> int:
+        """Holders a block with ``ready`` ready holders and ``inflight`` on their way still wants moved to
+        it without the dwell (rule 5): the urgent tier below ``urgent_below`` ready holders, the reserve
+        tier below ``reserve_below``; 0 for a block that is safe enough."""
+        if ready < self.urgent_below:
+            return max(0, self.urgent_inflight - inflight)
+        if ready < self.reserve_below:
+            return max(0, self.reserve_inflight - inflight)
+        return 0
 
 
 def _counted(holders: Mapping[int, Sequence[HolderRecord]], n_blocks: int):
@@ -182,14 +204,16 @@ def rebalance_target(counts: Sequence[int], throughputs: Sequence[float], my_blo
         return counts[c] - 1 >= policy.min_keep and ready[c] - 1 >= policy.min_keep
 
     ordinary = _ordinary_target(counts, throughputs, my_block, held_for_s, draw, policy, keeps)
-    u = min(range(n), key=lambda b: (ready[b], counts[b], throughputs[b], b))
-    if ready[u] < policy.urgent_below and counts[u] - ready[u] < policy.urgent_inflight:   # rule 5: urgent
+    short = [b for b in range(n) if policy.wanted(ready[b], counts[b] - ready[b]) > 0]
+    if short:   # rule 5: the neediest short block (fewest ready holders) first
+        u = min(short, key=lambda b: (ready[b], counts[b], throughputs[b], b))
+
         def rescuer(c: int) -> bool:
             return c != u and keeps(c) and ready[c] - ready[u] >= policy.min_surplus
 
         if rescuer(my_block):   # a block in danger first: no ordinary move elsewhere meanwhile
             donors = sum(ready[c] for c in range(n) if rescuer(c))
-            wanted = policy.urgent_inflight - (counts[u] - ready[u])
+            wanted = policy.wanted(ready[u], counts[u] - ready[u])
             return u if ordinary == u or draw < min(1.0, policy.eagerness * wanted / donors) else None
     return ordinary
 

@@ -17,12 +17,13 @@ from blocktrain.node.swarm.launcher import NodeProc
 
 from test_utils.configs import TEST_CORPUS
 from test_utils.netns import Host
-from test_utils.reliability import MANUAL_AVG
+from test_utils.reliability import MANUAL_AVG, QUIET_TRAINING
 
 P2P_PORT = 31337
 HTTP_PORT = 8000
-#: every node of the namespace tests, public or behind NAT: CPU, averaging only when a test asks
-NODE_ARGS = ["--device", "cpu", *MANUAL_AVG, "--checkpoint-every", "1000"]
+#: every node of the namespace tests, public or behind NAT: CPU, averaging only when a test asks, training a
+#: quarter of the time (the tests wait for relays, rounds and failovers, not for training progress)
+NODE_ARGS = ["--device", "cpu", *MANUAL_AVG, "--checkpoint-every", "1000", *QUIET_TRAINING]
 DATA = str(TEST_CORPUS)
 
 
