@@ -14,17 +14,21 @@ from blocktrain.node.routing import router as router_mod
 from blocktrain.node.routing.router import RouteLog, Router
 
 
-class Discovery:
-    """Holders of block 1 appear after ``hidden_reads`` reads (None: never)."""
+def _ann(peer):
+    return SimpleNamespace(peer_id=peer, state="online", serving=True)
 
-    def __init__(self, hidden_reads: int | None):
-        self.hidden_reads, self.reads = hidden_reads, 0
+
+class Discovery:
+    """Holder P1 of block 1 appears after ``hidden_reads`` reads (None: never); ``gone`` is seen until then."""
+
+    def __init__(self, hidden_reads: int | None, gone: str | None = None):
+        self.hidden_reads, self.gone, self.reads = hidden_reads, gone, 0
 
     def list_holders(self, run_id):
         self.reads += 1
         if self.hidden_reads is None or self.reads <= self.hidden_reads:
-            return {}
-        return {1: [SimpleNamespace(peer_id="P1", state="online", serving=True)]}
+            return {1: [_ann(self.gone)]} if self.gone else {}
+        return {1: [_ann("P1")]}
 
 
 @pytest.fixture
@@ -35,7 +39,10 @@ def answered(monkeypatch):
     def start_remote(client, peer, b, req, timeout):
         calls.append(peer)
         f = concurrent.futures.Future()
-        f.set_result((HopResult(req.state, None), 0, 0))
+        if peer == "GONE":   # a holder that just left
+            f.set_exception(OSError("peer unreachable"))
+        else:
+            f.set_result((HopResult(req.state, None), 0, 0))
         return f
     monkeypatch.setattr(router_mod, "start_remote", start_remote)
     return calls
@@ -71,3 +78,9 @@ def test_a_block_nobody_holds_fails_clearly_after_the_grace(answered):
     with pytest.raises(router_mod.NoLiveHolderError, match="block 1 has no live holder"):
         _hop(disc, grace=2.0)(_req())
     assert 1.5 <= time.monotonic() - t0 < 10.0 and disc.reads >= 2
+
+
+def test_a_replacement_of_a_holder_that_left_is_used_within_the_grace(answered):
+    disc = Discovery(hidden_reads=3, gone="GONE")
+    _hop(disc, grace=5.0)(_req())
+    assert answered == ["GONE", "P1"]

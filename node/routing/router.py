@@ -49,7 +49,7 @@ class RouteLog:
         return [{"block": b, "peer": p} for b, p in sorted(self.hops.items())]
 
 
-REREAD_S = 1.0   # seconds between DHT reads for a block with no holder seen yet (see discovery_grace_s)
+REREAD_S = 1.0   # seconds between DHT reads for a block with no holder left to try (see discovery_grace_s)
 
 
 class Router:
@@ -67,9 +67,10 @@ class Router:
         self.bans = bans or PeerBans()
         self.ranking = ranking or HolderRanking()
         self.holders_ttl = holders_ttl
-        # a block nobody is seen to hold yet is looked up again (every REREAD_S) for this long before
-        # its hop fails: a holder that just (re)started is stored in the DHT but not yet seen by every
-        # reader for a moment, and a request should not fail on that (Petals' clients retry likewise)
+        # a block with no holder left to try (none seen, or every one failed) is looked up again (every
+        # REREAD_S) until this long after the hop started before it fails: a holder that just
+        # (re)started or replaced one that left is stored in the DHT but not yet seen by every reader
+        # for a moment, and a request should not fail on that (Petals' clients retry likewise)
         self.discovery_grace_s = discovery_grace_s
         self._holders: tuple[float, dict] = (-1e9, {})
         self._holders_lock = threading.Lock()
@@ -127,8 +128,9 @@ class Router:
                 now = time.monotonic()
                 if now >= deadline:
                     break
-                # out of holders: one fresh read of the DHT; while none was ever seen, more within the grace
-                if not queue and not inflight and (not refreshed or (not tried and now < grace_end)):
+                # out of holders: a fresh read of the DHT, and more within the grace (a replacement of a
+                # holder that just left or restarted may take a moment to be seen)
+                if not queue and not inflight and (not refreshed or now < grace_end):
                     if refreshed:
                         time.sleep(min(REREAD_S, grace_end - now))
                     refreshed = True
