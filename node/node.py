@@ -388,8 +388,9 @@ class Node:
 
     def _block_has_peers(self) -> bool:
         """Does another node announce this block? A round alone forms no group, and its matchmaking
-        (hivemind polls the DHT for partners until its timeout) costs about a third of a core and
-        slows training through the GIL (BENCHMARKS.md "Idle cost"). Unknown (DHT unreadable): try."""
+        (hivemind polls the DHT for partners until its timeout) kept an idle lone node at 77-91% of a
+        core and slowed its training 3-9x through the GIL (BENCHMARKS.md "Idle cost"). Unknown (DHT
+        unreadable): try."""
         try:
             holders = self.router.holders().get(self.block_index, [])
         except Exception as e:

@@ -84,8 +84,8 @@ class NodeOptions:
         from .pipeline.settings import PipelineSettings   # the pipeline flags' checks live with the engine
         PipelineSettings(inflight=self.pipeline_inflight, accumulate=self.pipeline_accumulate,
                          codec=self.pipeline_compression, timeout_s=self.pipeline_timeout)
-        if not 0.0 < self.train_duty <= 1.0:
-            raise ValueError(f"--train-duty must be in (0, 1], got {self.train_duty}")
+        from .loops import DutyCycle   # the duty cycle's check lives with it
+        DutyCycle(self.train_duty)
         if not 0.0 <= self.rebalance_dwell <= 86_400.0:
             raise ValueError(f"--rebalance-dwell must be in [0, 86400] seconds, got {self.rebalance_dwell}")
         if not 0.0 <= self.inject_delay_ms <= 10_000.0:

@@ -62,7 +62,7 @@ def test_a_four_process_chain_trains_and_its_ce_falls(tmp_path, objective):
         before = chain_ce(n["b3"])           # the chain as initialised: nothing has trained yet
         assert before == pytest.approx(math.log(256), abs=0.1) and step(n["b3"]) == 0
         idle.stop()                          # a graceful leave; then a holder of block 0 that trains
-        n["b0"] = sw.start_join(block=0, name="b0")
+        n["b0"] = sw.start_join(block=0, name="b0", args=["--train-duty", "0.5"])
         wait_for(lambda: step(n["b3"]) >= 150, 240, "150 steps of the last block")
         after = chain_ce(n["b3"])
         assert after < before - 0.4 and after < math.log(256) - 1.5, (before, after)
@@ -79,7 +79,7 @@ def test_a_four_process_chain_trains_and_its_ce_falls(tmp_path, objective):
             assert p0["traffic"]["gradient_bytes_received"] == 0 and p1["traffic"]["gradient_bytes_sent"] == 0
         assert p0["stalled_s"] >= 0 and p0["peak_rss_mib"] > 0 and "stalled_s" in p1
         duty = n["b0"].get("/v1/status")["self"]["train_duty"]   # block 0 paces micro-batches to --train-duty
-        assert (duty["paused_s"] > 0) == (duty["fraction"] < 1), duty
+        assert duty["fraction"] == 0.5 and duty["paused_s"] > 0, duty
         metrics = sw.nodes[0].get("/v1/status")["self"]
         assert metrics["loss"] is not None and metrics["step"] > 0
         g = n["b1"].post("/v1/generate", {"prompt": "The ", "max_bytes": 6, "mode": "one_sweep"}, timeout=120)
