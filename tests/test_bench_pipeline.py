@@ -52,7 +52,7 @@ def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
     assert 0 < cpu["min"] <= cpu["mean"] <= cpu["max"] < r["train_wall_s"] * 2   # at most 2 cores
     fair = res["references"]["one_block_cpu"]
     assert fair["worker_cpu_s"] == cpu and fair["cpu_budget_s"] == pytest.approx(cpu["mean"])
-    assert cpu["mean"] <= fair["cpu_s"] < cpu["mean"] + 2 and fair["steps"] > 0
+    assert cpu["mean"] - 0.01 <= fair["cpu_s"] < cpu["mean"] + 2 and fair["steps"] > 0   # cpu_s: 2 decimals
     assert fair["ce"] < math.log(256) - 0.5
     # the curve: chains exported during training, scored against the workers' CPU-seconds, the last one the
     # final chains; the one-block reference scored at the same CPU-seconds
