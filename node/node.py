@@ -135,7 +135,7 @@ class Node:
         self._start_rpc()
         if not self.trainer.objective.block_local:   # pipeline / forward-streamed: train along the chain
             self.pipeline = start_pipeline(self)
-        self.averager = self.new_averager(self.trainer)
+        self.averager = self.new_averager(self.trainer, share=False)
         td.push("averager", self._stop_averagers, budget=3.0)
         if self.upstream is not None and self.block_index > 0:
             self.refresh_upstream()   # before the late join: judging a download needs blocks < b
@@ -235,13 +235,18 @@ class Node:
         return BlockTrainer(self.cfg, b, self.split.train, self.split.eval, device=pick_device(o.device),
                             seed=o.seed, worker_id=worker, upstream=self.upstream)
 
-    def new_averager(self, trainer: BlockTrainer) -> BlockAverager:
-        """The averager (a child process) of ``trainer``'s block."""
+    def new_averager(self, trainer: BlockTrainer, *, share: bool = True) -> BlockAverager:
+        """The averager of ``trainer``'s block; it offers the block's state to downloaders only if
+        ``share`` (a move's new block: its state was just downloaded and checked). At start the
+        node shares once it is online (:meth:`_late_join` done), never its fresh init."""
         o, b = self.opts, trainer.block_index
-        return BlockAverager(self.discovery.dht, trainer, self.run_id, peer_id=self.peer_id,
-                             compression=o.averaging_compression,
-                             authorize=self.auth.authorize if self.auth.restricted else None,
-                             prefix=self.auth.averaging_prefix(self.run_id, b))
+        avg = BlockAverager(self.discovery.dht, trainer, self.run_id, peer_id=self.peer_id,
+                            compression=o.averaging_compression,
+                            authorize=self.auth.authorize if self.auth.restricted else None,
+                            prefix=self.auth.averaging_prefix(self.run_id, b))
+        if share:
+            avg.share_state()
+        return avg
 
     def _hop(self, req):
         """The RPC server's hop handler: the request's block, if this node serves it now."""
@@ -300,6 +305,7 @@ class Node:
                            budget=3.0)
         self._late_join()
         self.state = "online"
+        self.averager.share_state()   # resumed, downloaded, or the run's first holder: worth having now
         self.discovery.stop_announcing(withdraw=False)   # restart the refresher: "online" is stored now,
         self.discovery.start_announcing(self.announcements)   # not at its next period
 
@@ -385,6 +391,7 @@ class Node:
                 self.averager.stats.skipped_alone += 1
                 continue
             self.averager.round()
+            self.averager.share_state()   # downloaders try the most trained holder first
 
     def _block_has_peers(self) -> bool:
         """Does another node announce this block? A round alone forms no group, and its matchmaking

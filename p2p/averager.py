@@ -253,8 +253,11 @@ class BlockAveragerHandle:
             prefix=prefix, target_group_size=target_group_size, min_group_size=2,
             min_matchmaking_time=matchmaking_time, request_timeout=max(1.0, matchmaking_time / 2),
             # a DHT in client mode (a member nobody can dial) makes hivemind's averager a client too:
-            # it joins groups others lead and cannot share its state
-            compression=make_compression(compression), allow_state_sharing=not dht.client_mode, next_chunk_timeout=10.0,
+            # it joins groups others lead and cannot share its state (share_state is a no-op then)
+            # nobody downloads our state until the node says it is worth having (share_state): a
+            # joiner still downloading holds a fresh init, and hivemind breaks ties among sharers
+            # at random, so a concurrent joiner could adopt that init as the block's state
+            compression=make_compression(compression), allow_state_sharing=False, next_chunk_timeout=10.0,
             sender_timeout=5.0, reducer_timeout=10.0, allreduce_timeout=allreduce_timeout,
             shutdown_timeout=shutdown_timeout)
         self.averager.bt_state = state
@@ -267,6 +270,20 @@ class BlockAveragerHandle:
     @property
     def peer_id(self) -> str:
         return str(self.averager.peer_id)
+
+    def share_state(self, priority: float | None) -> None:
+        """Offer this block's state to downloaders (late joiners, movers) with ``priority`` (they try
+        the highest first; the node passes its step, so the most trained holder answers first), or
+        stop offering it (None). Declared in the DHT under ``{prefix}.all_averagers``; a change of
+        priority is declared again at once. No-op for a client-mode averager (nobody can dial it)."""
+        a = self.averager
+        if a.client_mode:
+            return
+        if priority is None:
+            a.allow_state_sharing = False
+            return
+        a.state_sharing_priority = float(priority)
+        a.allow_state_sharing = True
 
     def traffic(self) -> dict[str, int]:
         """What the averager's process put on / took off libp2p streams so far: serialized protobuf

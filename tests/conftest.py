@@ -42,8 +42,9 @@ if os.environ.get("BT_CPU_LOG"):
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):
-        cpu0, t0 = _cpu(), time.monotonic()
+        cpu0, t0, start = _cpu(), time.monotonic(), time.time()
         yield
         with open(os.environ["BT_CPU_LOG"], "a") as f:
             f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu() - cpu0, 2),
-                                "wall_s": round(time.monotonic() - t0, 2)}) + "\n")
+                                "wall_s": round(time.monotonic() - t0, 2), "start": round(start, 2),
+                                "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}) + "\n")

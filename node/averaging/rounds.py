@@ -67,6 +67,12 @@ class BlockAverager:
         return self.handle.traffic()
 
     # -- late joiners -----------------------------------------------------------------------------
+    def share_state(self) -> None:
+        """Offer this block's state to downloaders, the most trained first (priority = local step).
+        Called once the state is worth having (the node is online, or a move downloaded it) and
+        after each scheduled round so the priority follows training."""
+        self.handle.share_state(float(self.trainer.step))
+
     def download_state(self, timeout: float = 30.0) -> dict | None:
         """Adopt the block's current state from a live holder; returns its metadata, or None if no
         holder answered. Raises ValueError for an offer that fails the checks (nothing adopted)."""
