@@ -140,6 +140,7 @@ class Node:
         if self.upstream is not None and self.block_index > 0:
             self.refresh_upstream()   # before the late join: judging a download needs blocks < b
         self._join_announced()
+        self.averager.share_state()   # online: resumed, downloaded, or the run's first holder; never a fresh init
         if o.http_port is not None:
             from blocktrain.node.http.server import HttpServer
             self.http = HttpServer(self, o.http_host, o.http_port, operator_token=o.operator_token)
@@ -305,7 +306,6 @@ class Node:
                            budget=3.0)
         self._late_join()
         self.state = "online"
-        self.averager.share_state()   # resumed, downloaded, or the run's first holder: worth having now
         self.discovery.stop_announcing(withdraw=False)   # restart the refresher: "online" is stored now,
         self.discovery.start_announcing(self.announcements)   # not at its next period
 

@@ -8,8 +8,13 @@ import torch
 
 
 def pytest_collection_modifyitems(config, items):
-    """``full_matrix`` cases repeat a path another case already takes (another signal or target of
-    the same stop): skipped unless BT_FULL_MATRIX=1, to keep the default run (CI) fast."""
+    """Longest files first (``test_utils/durations.py``: xdist hands whole files to its workers in
+    this order, with ``--no-loadscope-reorder`` in pyproject's addopts). ``full_matrix`` cases repeat
+    a path another case already takes (another signal or target of the same stop): skipped unless
+    BT_FULL_MATRIX=1, to keep the default run (CI) fast."""
+    from test_utils.durations import UNKNOWN_S, load
+    seconds = load()
+    items.sort(key=lambda it: -seconds.get(it.nodeid.split("::")[0], UNKNOWN_S))   # stable: in-file order kept
     if os.environ.get("BT_FULL_MATRIX") == "1":
         return
     skip = pytest.mark.skip(reason="full matrix only: set BT_FULL_MATRIX=1")
