@@ -23,6 +23,9 @@ pytestmark = [pytest.mark.network, pytest.mark.slow]
 SMALL = ["n_blocks=2", "d_model=64", "n_heads=2", "layers_per_block=1", "seq_len=64", "target_dim=16",
          "batch_size=8", "chunk_len=4"]
 MANUAL_AVG = ["--average-every", "1000000", "--average-period", "1e9"]
+# 15 steps are reached in seconds at 0.3 of wall time; flat-out training of 3 nodes on 2 cores only
+# slowed the eval and the generation the test waits for
+DUTY = ["--train-duty", "0.3"]
 
 
 @pytest.mark.parametrize("objective,ce_kind,per_traversal", [("chunked-masked", "bound", 4),
@@ -33,7 +36,7 @@ def test_objective_trains_averages_scores_and_generates_across_processes(tmp_pat
                                                                        per_traversal):
     data = TEST_CORPUS
     sw = LocalSwarm(tmp_path, run_id="objnet", data=str(data), overrides=[f"objective={objective}", *SMALL],
-                    extra_args=["--device", "cpu", *MANUAL_AVG])
+                    extra_args=["--device", "cpu", *MANUAL_AVG, *DUTY])
     try:
         seed = sw.start_seed(block=0)
         refresh = ["--upstream-refresh", "2"]
