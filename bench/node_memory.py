@@ -53,7 +53,7 @@ KINDS = ("main", "dht", "averager", "p2pd", "torch_shm_manager", "other")
 # any of KNOBS, so "after" is the node's default and each other layout names every setting it changes.
 KNOBS = ("BT_HIVEMIND_IN", "HIVEMIND_MEMORY_SHARING_STRATEGY", "BT_TORCH_OPTIM", "BT_TUNE_MALLOC", "GOGC",
          "GOMEMLIMIT", "BT_RELEASE_PAGES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX",
-         "BT_EAGER_IMPORTS")
+         "BT_EAGER_IMPORTS", "GOMAXPROCS", "GODEBUG", "MALLOC_MMAP_THRESHOLD_")
 _EAGER = {"BT_EAGER_IMPORTS": "scipy,cli,hivemind"}   # the imports as they were before the lazy ones (lean1 and older)
 _LEAN3_IMPORTS = "hivemind,scipy-base"   # imported eagerly until the fourth pass (lean3 and older)
 _KEEP = {"BT_RELEASE_PAGES": "0"}   # start-up's library code pages kept mapped (lean2 and older)
@@ -82,6 +82,13 @@ LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {
               "(node/memory.py release_startup_pages): the default of commit 3aeb75e",
               {"BT_EAGER_IMPORTS": _LEAN3_IMPORTS}),
     "arena2": ("as lean3, with MALLOC_ARENA_MAX=2", {"BT_EAGER_IMPORTS": _LEAN3_IMPORTS, "MALLOC_ARENA_MAX": "2"}),
+    "gogc10": ("as after, with p2pd's GOGC=10 (tried, not the default)", {"GOGC": "10"}),
+    "go-procs1": ("as after, with GOMAXPROCS=1 (p2pd's Go runtime on one thread; tried, not the default)",
+                  {"GOMAXPROCS": "1"}),
+    "go-madvdontneed": ("as after, with GODEBUG=madvdontneed=1 (p2pd's freed pages returned at once; tried, "
+                        "not the default)", {"GODEBUG": "madvdontneed=1"}),
+    "mmap128k": ("as after, with glibc's mmap threshold pinned at 128 KiB from the start (MALLOC_MMAP_THRESHOLD_; "
+                 "tried, not the default: +70% CPU per tiny training step)", {"MALLOC_MMAP_THRESHOLD_": "131072"}),
     "after": ("the default: as lean3, and neither scipy's base package nor hivemind's package __init__ (its "
               "mixture-of-experts and optimizer packages) imported (p2p/lean_imports.py)", {}),
 }
