@@ -53,9 +53,11 @@ KINDS = ("main", "dht", "averager", "p2pd", "torch_shm_manager", "other")
 # any of KNOBS, so "after" is the node's default and each other layout names every setting it changes.
 KNOBS = ("BT_HIVEMIND_IN", "HIVEMIND_MEMORY_SHARING_STRATEGY", "BT_TORCH_OPTIM", "BT_TUNE_MALLOC", "GOGC",
          "GOMEMLIMIT", "BT_RELEASE_PAGES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX",
-         "BT_EAGER_IMPORTS")
-_EAGER = {"BT_EAGER_IMPORTS": "scipy,cli"}   # the imports as they were before the lazy ones (lean1 and older)
+         "BT_EAGER_IMPORTS", "GOMAXPROCS", "GODEBUG", "MALLOC_MMAP_THRESHOLD_")
+_EAGER = {"BT_EAGER_IMPORTS": "scipy,cli,hivemind"}   # the imports as they were before the lazy ones (lean1 and older)
+_LEAN3_IMPORTS = "hivemind,scipy-base"   # imported eagerly until the fourth pass (lean3 and older)
 _KEEP = {"BT_RELEASE_PAGES": "0"}   # start-up's library code pages kept mapped (lean2 and older)
+_KEEP3 = {**_KEEP, "BT_EAGER_IMPORTS": _LEAN3_IMPORTS}
 _OLD = {"BT_TORCH_OPTIM": "1", "BT_TUNE_MALLOC": "0", "GOGC": "100", "GOMEMLIMIT": "off", **_EAGER, **_KEEP}
 LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {
     "before": ("hivemind's DHT and averager as forked processes, file_system sharing (torch_shm_manager), "
@@ -69,16 +71,26 @@ LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {
     "lean1": ("as threads-adamw, with glibc heap trimming and p2pd GOGC=25 GOMEMLIMIT=24MiB: the default "
               "of commit add0075", {**_EAGER, **_KEEP, "GOMEMLIMIT": "24MiB"}),
     "lazy-scipy": ("as lean1, with scipy.optimize (which hivemind imports, a node never calls) deferred",
-                   {"BT_EAGER_IMPORTS": "cli", **_KEEP, "GOMEMLIMIT": "24MiB"}),
+                   {"BT_EAGER_IMPORTS": f"cli,{_LEAN3_IMPORTS}", **_KEEP, "GOMEMLIMIT": "24MiB"}),
     "lean2": ("as lazy-scipy, and bt-node imports its bench and offline commands only when invoked; p2pd "
               "with GOGC=25 only: the default of commit f1eef15", {**_KEEP}),
     "gomemlimit": ("as lean2, with p2pd's GOMEMLIMIT=24MiB (the default until 2026-12-01: dropped for the "
-                   "daemon CPU it costs when streaming)", {**_KEEP, "GOMEMLIMIT": "24MiB"}),
+                   "daemon CPU it costs when streaming)", {**_KEEP3, "GOMEMLIMIT": "24MiB"}),
     "arena1": ("as lean2, with MALLOC_ARENA_MAX=1 (one glibc heap for all threads; tried, not the default)",
-               {**_KEEP, "MALLOC_ARENA_MAX": "1"}),
-    "after": ("the default: as lean2, and the library code pages touched while starting unmapped once the "
-              "node has started (node/memory.py release_startup_pages)", {}),
-    "arena2": ("as after, with MALLOC_ARENA_MAX=2", {"MALLOC_ARENA_MAX": "2"}),
+               {**_KEEP3, "MALLOC_ARENA_MAX": "1"}),
+    "lean3": ("as lean2, and the library code pages touched while starting unmapped once the node has started "
+              "(node/memory.py release_startup_pages): the default of commit 3aeb75e",
+              {"BT_EAGER_IMPORTS": _LEAN3_IMPORTS}),
+    "arena2": ("as lean3, with MALLOC_ARENA_MAX=2", {"BT_EAGER_IMPORTS": _LEAN3_IMPORTS, "MALLOC_ARENA_MAX": "2"}),
+    "gogc10": ("as after, with p2pd's GOGC=10 (tried, not the default)", {"GOGC": "10"}),
+    "go-procs1": ("as after, with GOMAXPROCS=1 (p2pd's Go runtime on one thread; tried, not the default)",
+                  {"GOMAXPROCS": "1"}),
+    "go-madvdontneed": ("as after, with GODEBUG=madvdontneed=1 (p2pd's freed pages returned at once; tried, "
+                        "not the default)", {"GODEBUG": "madvdontneed=1"}),
+    "mmap128k": ("as after, with glibc's mmap threshold pinned at 128 KiB from the start (MALLOC_MMAP_THRESHOLD_; "
+                 "tried, not the default: +70% CPU per tiny training step)", {"MALLOC_MMAP_THRESHOLD_": "131072"}),
+    "after": ("the default: as lean3, and neither scipy's base package nor hivemind's package __init__ (its "
+              "mixture-of-experts and optimizer packages) imported (p2p/lean_imports.py)", {}),
 }
 
 

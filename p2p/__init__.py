@@ -19,14 +19,17 @@ Modules, one concern each:
 * ``process``    hivemind's child processes as a node's children: stop signals, dying with the node
 
 * ``process`` / ``inprocess`` hivemind's DHT and averager loops: threads of the node (default) or its children
-* ``lean_imports`` imports hivemind makes that a node does not use (scipy.optimize), deferred to first use
+* ``lean_imports`` imports hivemind makes that a node does not use (scipy, hivemind.moe / .optim), deferred to first use
 
 Submodules are not imported here, so ``import blocktrain.p2p`` stays cheap; only the sharing strategy
 hivemind will give torch is chosen here, before any submodule imports hivemind (p2p/inprocess.py),
-and scipy.optimize, which hivemind imports but a node never calls, is made lazy (p2p/lean_imports.py).
+and scipy.optimize, which hivemind imports but a node never calls, and hivemind's package ``__init__``
+(its mixture-of-experts and optimizer packages) are made lazy (p2p/lean_imports.py).
 """
 from blocktrain.p2p.inprocess import default_sharing_strategy as _default_sharing_strategy
+from blocktrain.p2p.lean_imports import defer_hivemind_init as _defer_hivemind_init
 from blocktrain.p2p.lean_imports import defer_scipy_optimize as _defer_scipy_optimize
 
 _default_sharing_strategy()
 _defer_scipy_optimize()
+_defer_hivemind_init()

@@ -155,3 +155,21 @@ def test_a_pipeline_block_is_measured_with_its_stash():
     assert peaks[4] - peaks[1] >= 3 * weights, (peaks, weights)   # 3 more graphs and 3 more weight copies
     last = _Trainee("block", cfg, torch.device("cpu"), block_index=cfg.n_blocks - 1, inflight=4)
     assert math.isfinite(last.step()["loss"])                      # the last block computes the loss itself
+
+
+def test_trainer_arena_pinned_mmap_threshold_shrinks_the_training_threads_arena():
+    """bench/trainer_arena.py (issue 15): as the node runs, a tiny step's activations stay in the training
+    thread's glibc arena; pinning the mmap threshold at 128 KiB returns them. Sizes only, never the CPU."""
+    from test_utils.configs import TEST_CORPUS
+    p = subprocess.run([sys.executable, "-m", "blocktrain.bench.trainer_arena", "--data",
+                        str(TEST_CORPUS / "train.txt"), "--threshold", "none", "--threshold", "131072",
+                        "--steps", "3", "--warmup", "2"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    node, pinned = (json.loads(line) for line in p.stdout.strip().splitlines())
+    assert node["threshold"] is None and pinned["threshold"] == 131072
+    for r in (node, pinned):
+        assert r["steps"] == 3 and r["cpu_ms_per_step"] > 0 and 0 <= r["arena_free_mb"] <= r["arena_mb"]
+    assert pinned["arena_mb"] < node["arena_mb"] - 2, (node, pinned)
+    bad = subprocess.run([sys.executable, "-m", "blocktrain.bench.trainer_arena", "--data", str(TEST_CORPUS / "train.txt"),
+                          "--threshold", "lots"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--threshold takes" in bad.stderr

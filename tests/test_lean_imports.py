@@ -17,13 +17,22 @@ import blocktrain.cli.main                      # what `bt-node seed` imports be
 import blocktrain.p2p.averager, hivemind       # the node's averager: hivemind imports load_balancing
 from hivemind.averaging.load_balancing import load_balance_peers
 out = {"bench_at_start": sorted(m for m in sys.modules if m.startswith("blocktrain.bench")),
-       "linprog_at_start": "scipy.optimize._linprog" in sys.modules}
+       "linprog_at_start": "scipy.optimize._linprog" in sys.modules,
+       "scipy_at_start": sorted(m for m in sys.modules if m.startswith("scipy") and
+                                type(sys.modules[m]).__name__ != "_Deferred"),
+       "hivemind_init_at_start": sorted(m for m in sys.modules if m.startswith(("hivemind.moe", "hivemind.optim")))}
 out["even"] = load_balance_peers(100, [None, None, 0.0])   # what blocktrain's averagers gather
 out["linprog_after_even"] = "scipy.optimize._linprog" in sys.modules
 out["weighted"] = load_balance_peers(100, [1.0, 2.0, None])   # a peer stating a bandwidth: scipy runs
 out["linprog_after_weighted"] = "scipy.optimize._linprog" in sys.modules
 import scipy.optimize
 out["real_module"] = sys.modules["scipy.optimize"] is scipy.optimize and hasattr(scipy.optimize, "linprog")
+out["real_scipy"] = type(sys.modules["scipy"]).__name__ == "module" and hasattr(sys.modules["scipy"], "__version__")
+# hivemind's package names: the first read runs its real __init__ in the same module object
+out["hivemind_version"] = hivemind.__version__
+out["hivemind_names"] = hivemind.DHT is __import__("hivemind.dht", fromlist=["DHT"]).DHT and hasattr(hivemind, "Server")
+out["hivemind_init_after"] = "hivemind.moe" in sys.modules and "hivemind.optim" in sys.modules
+out["hivemind_same_module"] = sys.modules["hivemind"] is hivemind
 print(json.dumps(out))
 """
 
@@ -39,18 +48,25 @@ def _probe() -> dict:
 def test_node_imports_defer_scipy_and_bench_without_changing_load_balancing():
     out = _probe()
     assert out["bench_at_start"] == []
-    assert not out["linprog_at_start"]
+    assert not out["linprog_at_start"] and out["scipy_at_start"] == []
+    assert out["hivemind_init_at_start"] == []   # the node's imports never run hivemind's package __init__
     assert out["even"] == [50, 50, 0] and not out["linprog_after_even"]
     # the LP itself, run by the real scipy once a bandwidth is stated: the faster peers get more
     assert sum(out["weighted"]) == 100 and out["weighted"][1] > out["weighted"][2] > out["weighted"][0]
-    assert out["linprog_after_weighted"] and out["real_module"]
+    assert out["linprog_after_weighted"] and out["real_module"] and out["real_scipy"]
+    assert out["hivemind_version"] == "1.1.12" and out["hivemind_names"]
+    assert out["hivemind_init_after"] and out["hivemind_same_module"]
 
 
 def test_eager_imports_when_asked(monkeypatch):
-    """BT_EAGER_IMPORTS (the bench's older layouts) keeps both imports eager."""
-    code = ("import sys, blocktrain.p2p; m = sys.modules.get('scipy.optimize'); "
-            "print(type(m).__name__ if m is not None else 'absent')")
-    for eager, expected in (("", "_Deferred"), ("scipy", "absent")):   # absent: hivemind imports it itself
+    """BT_EAGER_IMPORTS (the bench's older layouts) keeps the imports eager."""
+    code = ("import sys, blocktrain.p2p; n = lambda m: type(m).__name__ if m is not None else 'absent'; "
+            "print(n(sys.modules.get('scipy.optimize')), n(sys.modules.get('scipy')), end=' '); "
+            "import hivemind.utils.timed_storage; print('init' if 'hivemind.moe' in sys.modules else 'no-init')")
+    for eager, expected in (("", "_Deferred _Deferred no-init"),
+                            ("scipy", "absent absent no-init"),   # absent: hivemind imports it itself
+                            ("scipy-base", "_Deferred module no-init"),
+                            ("hivemind", "_Deferred _Deferred init")):
         env = {**os.environ, "BT_EAGER_IMPORTS": eager}
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
         assert r.returncode == 0 and r.stdout.strip() == expected, (eager, r.stdout, r.stderr[-2000:])
