@@ -227,7 +227,8 @@ def measure_layout(layout: str, overrides: list[str], *, data: str | None, settl
     ready = d / "ready.json"
     args = [sys.executable, "-m", "blocktrain.cli.main", "seed", "--run-id", f"mem-{layout}", "--block", "0",
             "--device", "cpu", *(["--http-port", "0"] if http else []), "--checkpoint-dir", str(d / "ckpt"),
-            "--ready-file", str(ready), "--quiet", *[x for kv in overrides for x in ("--set", kv)]]
+            "--ready-file", str(ready), "--quiet", "--objective", "paper",   # a lone node trains only block-locally
+            *[x for kv in overrides for x in ("--set", kv)]]
     if data:
         args += ["--data", data]
     env = {k: v for k, v in os.environ.items() if k not in KNOBS}   # each layout says all it changes

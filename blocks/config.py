@@ -109,6 +109,11 @@ class ModelConfig:
 
     @classmethod
     def load(cls, path: str | Path) -> "ModelConfig":
+        return cls.from_dict(cls.read(path), source=str(path))
+
+    @staticmethod
+    def read(path: str | Path) -> Any:
+        """A config file's contents as written (TOML or JSON), not yet checked (:meth:`from_dict` does)."""
         path = Path(path)
         try:
             text = path.read_bytes()
@@ -121,7 +126,7 @@ class ModelConfig:
                 data = json.loads(text.decode("utf-8"))
         except (UnicodeDecodeError, tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
             raise ConfigError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({e})") from None
-        return cls.from_dict(data, source=str(path))
+        return data
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")

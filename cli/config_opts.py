@@ -10,18 +10,32 @@ from ..blocks.config import ConfigError, ModelConfig
 from ..blocks.objectives import OBJECTIVES
 
 
-def config_options(fn):
+def config_options(fn=None, *, default_objective: str | None = None):
+    """--config, --objective, --set. ``default_objective``: the objective when neither the flags nor
+    the config file name one (``seed``: a new run's; see :func:`build_config`)."""
+    if fn is None:
+        return lambda f: config_options(f, default_objective=default_objective)
+    default = (f"{default_objective}, unless --set objective=... or the --config file names one"
+               if default_objective else "the config's")
     fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                       help="Override one config field, e.g. --set n_blocks=4 --set d_model=128.")(fn)
     fn = click.option("--objective", default=None,
-                      help=f"Objective: {', '.join(OBJECTIVES)} (default: the config's).")(fn)
+                      help=f"Objective: {', '.join(OBJECTIVES)} (default: {default}).")(fn)
     fn = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
                       help="Model/run config file (TOML or JSON).")(fn)
     return fn
 
 
-def build_config(config_path: str | None, objective: str | None, overrides: tuple[str, ...]) -> ModelConfig:
-    cfg = ModelConfig.load(config_path) if config_path else ModelConfig()
+def build_config(config_path: str | None, objective: str | None, overrides: tuple[str, ...],
+                 default_objective: str | None = None) -> ModelConfig:
+    """The config from a file (or the defaults), then --set, then --objective. ``default_objective``
+    replaces the config's default objective when none of them names one."""
+    raw = ModelConfig.read(config_path) if config_path else {}
+    cfg = ModelConfig.from_dict(raw, source=str(config_path)) if config_path else ModelConfig()
+    in_file = raw.get("model", raw) if isinstance(raw, dict) and isinstance(raw.get("model"), dict) else raw
+    if default_objective and not objective and "objective" not in in_file and \
+            not any(item.split("=", 1)[0].strip() == "objective" for item in overrides):
+        objective = default_objective
     changes: dict = {}
     fields = {f.name for f in dataclasses.fields(ModelConfig)} - {"extra"}
     for item in overrides:

@@ -16,7 +16,7 @@ import click
 from rich.live import Live
 from rich.table import Table
 
-from ..node.options import NodeOptions
+from ..node.options import NEW_RUN_OBJECTIVE, NodeOptions
 from .config_opts import build_config, config_options
 from .errors import friendly
 from .render import emit_json, err_console
@@ -262,7 +262,7 @@ def pipeline_options(fn):
               help="What the run trains on: wikitext-2 / wikitext-103 (members fetch it by name), a local file "
                    "or folder (the manifest then carries only its sha256: members bring a copy with --data), "
                    "or 'auto' = shared WikiText-2 if present, else HF wikitext-2, else the Python stdlib's text.")
-@config_options
+@config_options(default_objective=NEW_RUN_OBJECTIVE)
 @node_options
 @private_run_options
 @pipeline_options
@@ -275,7 +275,7 @@ def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpo
     Example:
       bt-node seed --run-id demo --config run.toml --port 31337 --http-port 8000
     """
-    cfg = build_config(config_path, objective, overrides)
+    cfg = build_config(config_path, objective, overrides, default_objective=NEW_RUN_OBJECTIVE)
     from ..p2p.addresses import parse_initial_peers
     opts = _common(checkpoint_dir, run_id, config=cfg, data=data,
                    initial_peers=parse_initial_peers(list(initial_peers)), block=0 if block is None else block,

@@ -34,7 +34,8 @@ def _progress_table(statuses: list, frac: float) -> Table:
 @click.option("--budget", default="120s", show_default=True, help="Training wall time, e.g. 120s or 5m.")
 @click.option("--data", default="auto", show_default=True,
               help="auto = ../shared WikiText-2 if present, else HF wikitext-2, else the Python stdlib's text.")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override the swarm's model config.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override the swarm's model config, e.g. --set objective=paper (default objective: pipeline).")
 @click.option("--http-port", type=int, default=None, help="HTTP port of the first node (with --keep-running).")
 @click.option("--keep-running", is_flag=True, help="Keep the network serving until Ctrl-C.")
 @click.option("--workdir", type=click.Path(file_okay=False), default=None, help="Node dirs (default: a temp dir).")
@@ -45,9 +46,13 @@ def _progress_table(statuses: list, frac: float) -> Table:
 def swarm(nodes, budget, data, overrides, http_port, keep_running, workdir, prompt, gen_bytes, as_json):
     """Start a local network of N node processes, train, average, generate, measure, shut down.
 
+    The run trains `pipeline` (backprop along the chain of holders) unless --set objective=... names
+    another (`paper`: the paper's block-local objective).
+
     \b
     Example:
       bt-node swarm --budget 120s
+      bt-node swarm --budget 120s --set objective=paper
       bt-node swarm --nodes 6 --budget 5m --keep-running --http-port 8000
     """
     from blocktrain.node.swarm.launcher import kill_all, stop_running
@@ -94,7 +99,7 @@ def _report(res: dict, as_json: bool) -> None:
     if as_json:
         emit_json(res)
         return
-    err_console.print(f"data: {res['data']} (protocol {res['protocol']})")
+    err_console.print(f"objective: {res['objective']}; data: {res['data']} (protocol {res['protocol']})")
     err_console.print(f"averaging rounds (replicated blocks): {res['averaging_rounds']} "
                       f"{res['averaging_rounds_by_block']}")
     err_console.print(f"chain CE on held-out text: {res['chain_ce_start']:.3f} -> {res['chain_ce']:.3f} "

@@ -7,6 +7,12 @@ from pathlib import Path
 
 from ..blocks.config import ModelConfig
 
+# What a NEW run trains when its seeder names no objective (`bt-node seed`, `bt-node swarm`): the one
+# with the best held-out CE per wall-clock second on a local network (issue 13, target 5; BENCHMARKS
+# "Training along the chain"). The config's own default (``ModelConfig.objective``, ``paper``) stays
+# the default of offline training, the benchmarks and the library launcher (``LocalSwarm``).
+NEW_RUN_OBJECTIVE = "pipeline"
+
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
 

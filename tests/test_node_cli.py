@@ -49,6 +49,7 @@ def test_swarm_command_json_contract(tmp_path):
     res = json.loads(r.stdout)
     for key in ("chain_ce", "ce_kind", "averaging_rounds", "generated", "route", "nodes", "seconds", "protocol"):
         assert key in res, key
+    assert res["objective"] == "pipeline"   # the default of a new run (issue 13, target 5)
     assert res["ce_kind"] == "exact" and res["protocol"] == TEST_CORPUS_PROTOCOL
     assert res["chain_ce"] < math.log(256)
     assert len(res["nodes"]) == 3 and [h["block"] for h in res["route"]] == [0, 1]
@@ -99,3 +100,38 @@ def test_missing_run_and_config_mismatch_are_refused(tmp_path):
         assert st["blocks"][0]["holders"] and not st["blocks"][1]["holders"]
     finally:
         sw.stop_all()
+
+
+def test_a_new_run_trains_pipeline_unless_its_seeder_names_an_objective(tmp_path):
+    """Issue 13, target 5: `seed` and `swarm` start `pipeline` runs by default; `paper` (or any
+    objective) is one flag away, and a config file that names one is obeyed. Offline commands and
+    the library launcher keep the config's default."""
+    from click.testing import CliRunner
+
+    from blocktrain.blocks.config import ModelConfig
+    from blocktrain.cli.config_opts import build_config
+    from blocktrain.cli.main import cli
+    from blocktrain.node.options import NEW_RUN_OBJECTIVE
+
+    assert NEW_RUN_OBJECTIVE == "pipeline" and ModelConfig().objective == "paper"
+    named = tmp_path / "named.toml"
+    named.write_text('objective = "forward-chained"\nn_blocks = 2\n')
+    nested = tmp_path / "nested.toml"
+    nested.write_text('[model]\nobjective = "paper"\n')
+    silent = tmp_path / "silent.json"
+    silent.write_text('{"n_blocks": 2}')
+    d = NEW_RUN_OBJECTIVE
+    assert build_config(None, None, (), default_objective=d).objective == "pipeline"
+    assert build_config(None, "paper", (), default_objective=d).objective == "paper"
+    assert build_config(None, None, ("objective=paper",), default_objective=d).objective == "paper"
+    assert build_config(None, None, (" objective =paper",), default_objective=d).objective == "paper"
+    assert build_config(str(named), None, (), default_objective=d).objective == "forward-chained"
+    assert build_config(str(nested), None, (), default_objective=d).objective == "paper"
+    assert build_config(str(silent), None, (), default_objective=d).objective == "pipeline"
+    assert build_config(None, None, ()).objective == "paper"          # train-local, bench quality: the config's
+    for cmd, needle in (("seed", "default: pipeline"), ("swarm", "objective: pipeline")):
+        out = CliRunner().invoke(cli, [cmd, "--help"]).output
+        assert needle in " ".join(out.split()), out
+    # the launcher names the config's objective to its seed (its overrides may name another)
+    assert LocalSwarm(tmp_path / "a").overrides[0] == "objective=paper"
+    assert LocalSwarm(tmp_path / "b", overrides=["objective=pipeline"]).overrides == ["objective=pipeline"]

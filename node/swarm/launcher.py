@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+from blocktrain.blocks.config import ModelConfig
 from blocktrain.p2p.process import parent_death_preexec
 
 STOP_TIMEOUT = 12.0   # seconds a node gets to leave after SIGTERM (it needs under 10) before SIGKILL
@@ -215,11 +216,18 @@ class NodeProc(ManagedProcess):
 
 
 class LocalSwarm:
+    """A local network of node processes: a seed, then joiners. Its run trains the objective its
+    ``overrides`` name (``objective=...``), else the config's default (``ModelConfig.objective``):
+    the launcher names it to the seed, whose command would otherwise start a ``NEW_RUN_OBJECTIVE`` run
+    (``bt-node swarm`` passes that one itself)."""
+
     def __init__(self, base_dir: str | Path, *, run_id: str = "swarm", overrides: list[str] = (),
                  data: str = "auto", extra_args: list[str] = ()):
         self.base = Path(base_dir)
         self.run_id = run_id
         self.overrides = list(overrides)
+        if not any(kv.split("=", 1)[0].strip() == "objective" for kv in self.overrides):
+            self.overrides.insert(0, f"objective={ModelConfig().objective}")
         self.data = data
         self.extra = list(extra_args)
         self.nodes: list[NodeProc] = []

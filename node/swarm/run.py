@@ -17,6 +17,7 @@ from typing import Callable
 from blocktrain.blocks.config import ModelConfig
 from blocktrain.node.client import NetworkClient
 from blocktrain.blocks.default_data import resolve_default
+from blocktrain.node.options import NEW_RUN_OBJECTIVE
 from blocktrain.node.swarm.launcher import LocalSwarm
 
 # Small enough that 5 node processes train usefully on a 2-core laptop in two minutes.
@@ -36,7 +37,7 @@ def run_swarm(*, nodes: int | None, budget_s: float, data: str, overrides: list[
               keep_running: bool, workdir: str | None, prompt: bytes, gen_bytes: int,
               on_progress: Callable[[list[dict], float], None] | None = None,
               average_every: int = 10) -> dict:
-    sets = SWARM_DEFAULTS + list(overrides)
+    sets = [*SWARM_DEFAULTS, f"objective={NEW_RUN_OBJECTIVE}", *overrides]   # a later --set wins
     cfg = ModelConfig.from_dict(typed_settings(sets), source="swarm config")
     n = nodes or cfg.n_blocks + 1
     blocks = plan_blocks(n, cfg.n_blocks)
@@ -82,7 +83,7 @@ def run_swarm(*, nodes: int | None, budget_s: float, data: str, overrides: list[
             "nodes": [{"name": nd.name, "block": b, "peer_id": nd.info.get("peer_id"), "http": nd.url,
                        "step": (s or {}).get("self", {}).get("step")}
                       for nd, b, s in zip(swarm.nodes, blocks, sts)],
-            "protocol": split.protocol, "data": data_used, "config_hash": cfg.config_hash,
+            "protocol": split.protocol, "data": data_used, "config_hash": cfg.config_hash, "objective": cfg.objective,
             "seconds": round(time.time() - t_start, 1), "train_seconds": budget_s, "workdir": str(base),
         }
         if keep_running:

@@ -71,6 +71,8 @@ class NsNode(NodeProc):
 
 def start_seed(host: Host, workdir: Path, run_id: str, overrides: list[str]) -> NsNode:
     """Seed ``run_id`` (block 0) on ``host`` with the test corpus and NODE_ARGS; waits until ready."""
+    if not any(kv.startswith("objective=") for kv in overrides):
+        overrides = ["objective=paper", *overrides]   # the config's objective, as LocalSwarm (the seed command's is pipeline)
     sets = [x for kv in overrides for x in ("--set", kv)]
     n = NsNode(host, host.name, ["seed", "--run-id", run_id, "--data", DATA, "--block", "0", *sets, *NODE_ARGS],
                workdir / host.name)
