@@ -224,8 +224,9 @@ class _Network:
         T = self.cfg.seq_len
         workers = []
         for nd, b, st0, st, m, rss, c in zip(self.swarm.nodes, self.blocks, start, end, mets, mem, cpu):
-            pipe = st["self"].get("pipeline") or {}
+            pipe, pipe0 = st["self"].get("pipeline") or {}, st0["self"].get("pipeline") or {}
             steps = st["self"]["step"] - st0["self"]["step"]
+            t1, t0 = pipe.get("times_s") or {}, pipe0.get("times_s") or {}
             sent = int(m.get("pipeline_wire_bytes_sent_total", 0) + st["averaging"].get("bytes_sent", 0))
             workers.append({
                 "name": nd.name, "block": b, "steps": steps,
@@ -241,6 +242,9 @@ class _Network:
                 "recomputed_stashed": pipe.get("recomputed_stashed"), "lost_by_reason": pipe.get("lost_by_reason"),
                 "failed_downstream": pipe.get("failed_downstream"), "routed_unannounced": pipe.get("routed_unannounced"),
                 "peak_weight_stash_bytes": pipe.get("peak_weight_stash_bytes"),
+                "s_per_step": round(seconds / steps, 4) if steps else None,
+                "compute_s": _delta(pipe, pipe0, "compute_s"),
+                "times_s": {k: round(v - t0.get(k, 0.0), 3) for k, v in t1.items()},
                 "ckpt": str(nd.workdir / "ckpt"),
             })
         per_block = {b: sum(w["tokens"] for w in workers if w["block"] == b) / seconds
@@ -260,6 +264,11 @@ class _Network:
                 "cpu_s_per_worker_with_children": _spread([w["cpu_s_with_children"] for w in workers
                                                            if w["cpu_s_with_children"] is not None]),
                 "curve": getattr(self, "curve", [])}
+
+
+def _delta(end: dict, start: dict, key: str) -> float | None:
+    """A counter's growth over the training window (None when the worker does not report it)."""
+    return None if end.get(key) is None else round(end[key] - (start.get(key) or 0.0), 3)
 
 
 def _score_curve(obj, cfg: ModelConfig, curve: list[dict], windows: torch.Tensor) -> None:
