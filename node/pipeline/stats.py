@@ -45,7 +45,8 @@ class PipelineStats:
     gradient came back, or streamed: the chain answered), ``lost`` (dropped, by reason). As a stage:
     ``received`` calls served, ``refused_busy``, ``failed_downstream``. Both: ``sent`` onward calls
     that were answered, ``failed_calls`` (a holder failed or timed out), ``retried`` (another holder
-    was asked after a failure), ``routed_unannounced`` (a holder picked from those that answered
+    was asked after a failure; ``retried_same``: the same holder, once, after its answer stream was
+    cut), ``routed_unannounced`` (a holder picked from those that answered
     recently, absent from the DHT read), ``busy`` answers met, ``recomputed`` backwards (the weights had
     changed since the forward; ``recomputed_stashed``: of those, on the stashed weights the forward used),
     ``steps`` optimizer steps taken; ``peak_weight_stash_bytes``: the most bytes of weight copies alive
@@ -55,7 +56,7 @@ class PipelineStats:
     A hand-off's cost is the caller's ``call`` less the callee's ``serve`` for the same calls."""
 
     KEYS = ("started", "completed", "received", "answered", "refused_busy", "failed_downstream", "sent",
-            "failed_calls", "retried", "busy", "recomputed", "recomputed_stashed", "routed_unannounced", "steps",
+            "failed_calls", "retried", "retried_same", "busy", "recomputed", "recomputed_stashed", "routed_unannounced", "steps",
             "microbatches_accumulated")
 
     def __init__(self):
