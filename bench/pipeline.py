@@ -177,10 +177,10 @@ class _Network:
             next_curve = s.curve_every
             while time.time() - t0 < s.train_s:
                 time.sleep(min(2.0, max(0.1, s.train_s - (time.time() - t0))))
-                self._poll()
+                now = self._poll()
                 if client is not None and time.time() - t0 >= next_curve:
                     next_curve += s.curve_every
-                    self._curve_point(client, t0, cpu0)
+                    self._curve_point(client, t0, cpu0, [b["self"]["step"] - a["self"]["step"] for a, b in zip(start, now)])
             end, seconds, cpu1 = self._poll(), time.time() - t0, self._cpu()
         finally:
             if client is not None:
@@ -200,15 +200,15 @@ class _Network:
         self.curve: list[dict] = []
         return NetworkClient([self.swarm.seed_maddr], self.swarm.run_id)
 
-    def _curve_point(self, client, t0: float, cpu0: list) -> None:
+    def _curve_point(self, client, t0: float, cpu0: list, steps: list[int]) -> None:
         """Export the chain now (one live holder per block) for scoring after training; a failed export is
-        recorded and skipped."""
+        recorded and skipped. ``steps``: each worker's optimizer steps so far (as last polled, <= 2 s old)."""
         wall, cpu = time.time() - t0, [_diff(a, b) for a, b in zip(cpu0, self._cpu())]
         out = self.base / "curve" / f"{len(self.curve):03d}"
         try:
             client.export(out, timeout=60)
             self.curve.append({"wall_s": round(wall, 1), "cpu_s": _spread([c[0] for c in cpu if c])["mean"],
-                               "dir": str(out)})
+                               "steps": _spread(steps), "dir": str(out)})
         except Exception as e:   # noqa: BLE001 (a loaded machine: the point is lost, the run goes on)
             self.curve.append({"wall_s": round(wall, 1), "error": f"{type(e).__name__}: {e}"})
 
@@ -376,6 +376,7 @@ def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
                 end = [obj.score(obj.local_hops(c), windows[:s.curve_windows], k=2, generator=g().manual_seed(0)).ce
                        for c in chains]
                 r["curve"].append({"wall_s": r["train_wall_s"], "cpu_s": r["cpu_s_per_worker"]["mean"],
+                                   "steps": _spread([w["steps"] for w in r["workers"]]),
                                    "ce": sum(end) / len(end), "final": True})
             first = {}
             for w in r["workers"]:
