@@ -40,7 +40,7 @@ Presets: the default (CPU, sized for a 2-core machine), ``tiny`` (seconds, for t
 ``h200`` (bf16 autocast on one CUDA device shared by every worker, sized for at most 8 minutes on
 one H200; its plan is :func:`plan_seconds`). Figures: run it; none are recorded here.
 
-About 430 lines: the bench's settings, one network's run and report, its curve, serving and the
+About 450 lines: the bench's settings, one network's run and report, its curve, serving and the
 references' orchestration belong together; the plot (``pipeline_plot.py``), the references' child
 (``pipeline_refs.py``) and the CPU reading (``proc_cpu.py``) are apart.
 """
