@@ -40,7 +40,7 @@ Presets: the default (CPU, sized for a 2-core machine), ``tiny`` (seconds, for t
 ``h200`` (bf16 autocast on one CUDA device shared by every worker, sized for at most 8 minutes on
 one H200; its plan is :func:`plan_seconds`). Figures: run it; none are recorded here.
 
-About 430 lines: the bench's settings, one network's run and report, its curve, serving and the
+About 450 lines: the bench's settings, one network's run and report, its curve, serving and the
 references' orchestration belong together; the plot (``pipeline_plot.py``), the references' child
 (``pipeline_refs.py``) and the CPU reading (``proc_cpu.py``) are apart.
 """
@@ -177,10 +177,10 @@ class _Network:
             next_curve = s.curve_every
             while time.time() - t0 < s.train_s:
                 time.sleep(min(2.0, max(0.1, s.train_s - (time.time() - t0))))
-                self._poll()
+                now = self._poll()
                 if client is not None and time.time() - t0 >= next_curve:
                     next_curve += s.curve_every
-                    self._curve_point(client, t0, cpu0)
+                    self._curve_point(client, t0, cpu0, [b["self"]["step"] - a["self"]["step"] for a, b in zip(start, now)])
             end, seconds, cpu1 = self._poll(), time.time() - t0, self._cpu()
         finally:
             if client is not None:
@@ -200,15 +200,15 @@ class _Network:
         self.curve: list[dict] = []
         return NetworkClient([self.swarm.seed_maddr], self.swarm.run_id)
 
-    def _curve_point(self, client, t0: float, cpu0: list) -> None:
+    def _curve_point(self, client, t0: float, cpu0: list, steps: list[int]) -> None:
         """Export the chain now (one live holder per block) for scoring after training; a failed export is
-        recorded and skipped."""
+        recorded and skipped. ``steps``: each worker's optimizer steps so far (as last polled, <= 2 s old)."""
         wall, cpu = time.time() - t0, [_diff(a, b) for a, b in zip(cpu0, self._cpu())]
         out = self.base / "curve" / f"{len(self.curve):03d}"
         try:
             client.export(out, timeout=60)
             self.curve.append({"wall_s": round(wall, 1), "cpu_s": _spread([c[0] for c in cpu if c])["mean"],
-                               "dir": str(out)})
+                               "steps": _spread(steps), "dir": str(out)})
         except Exception as e:   # noqa: BLE001 (a loaded machine: the point is lost, the run goes on)
             self.curve.append({"wall_s": round(wall, 1), "error": f"{type(e).__name__}: {e}"})
 
@@ -224,8 +224,9 @@ class _Network:
         T = self.cfg.seq_len
         workers = []
         for nd, b, st0, st, m, rss, c in zip(self.swarm.nodes, self.blocks, start, end, mets, mem, cpu):
-            pipe = st["self"].get("pipeline") or {}
+            pipe, pipe0 = st["self"].get("pipeline") or {}, st0["self"].get("pipeline") or {}
             steps = st["self"]["step"] - st0["self"]["step"]
+            t1, t0 = pipe.get("times_s") or {}, pipe0.get("times_s") or {}
             sent = int(m.get("pipeline_wire_bytes_sent_total", 0) + st["averaging"].get("bytes_sent", 0))
             workers.append({
                 "name": nd.name, "block": b, "steps": steps,
@@ -237,10 +238,14 @@ class _Network:
                 "averaging_rounds_ok": st["averaging"]["succeeded"], "peak_rss_mib": rss,
                 "cpu_s": c and round(c[0], 2), "cpu_s_with_children": c and round(c[1], 2),
                 "stalled_s": pipe.get("stalled_s"), "lost": pipe.get("lost"), "completed": pipe.get("completed"),
-                "failed_calls": pipe.get("failed_calls"), "recomputed": pipe.get("recomputed"),
+                "failed_calls": pipe.get("failed_calls"), "retried_same": pipe.get("retried_same"),
+                "recomputed": pipe.get("recomputed"),
                 "recomputed_stashed": pipe.get("recomputed_stashed"), "lost_by_reason": pipe.get("lost_by_reason"),
                 "failed_downstream": pipe.get("failed_downstream"), "routed_unannounced": pipe.get("routed_unannounced"),
                 "peak_weight_stash_bytes": pipe.get("peak_weight_stash_bytes"),
+                "s_per_step": round(seconds / steps, 4) if steps else None,
+                "compute_s": _delta(pipe, pipe0, "compute_s"),
+                "times_s": {k: round(v - t0.get(k, 0.0), 3) for k, v in t1.items()},
                 "ckpt": str(nd.workdir / "ckpt"),
             })
         per_block = {b: sum(w["tokens"] for w in workers if w["block"] == b) / seconds
@@ -260,6 +265,11 @@ class _Network:
                 "cpu_s_per_worker_with_children": _spread([w["cpu_s_with_children"] for w in workers
                                                            if w["cpu_s_with_children"] is not None]),
                 "curve": getattr(self, "curve", [])}
+
+
+def _delta(end: dict, start: dict, key: str) -> float | None:
+    """A counter's growth over the training window (None when the worker does not report it)."""
+    return None if end.get(key) is None else round(end[key] - (start.get(key) or 0.0), 3)
 
 
 def _score_curve(obj, cfg: ModelConfig, curve: list[dict], windows: torch.Tensor) -> None:
@@ -366,6 +376,7 @@ def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
                 end = [obj.score(obj.local_hops(c), windows[:s.curve_windows], k=2, generator=g().manual_seed(0)).ce
                        for c in chains]
                 r["curve"].append({"wall_s": r["train_wall_s"], "cpu_s": r["cpu_s_per_worker"]["mean"],
+                                   "steps": _spread([w["steps"] for w in r["workers"]]),
                                    "ce": sum(end) / len(end), "final": True})
             first = {}
             for w in r["workers"]:

@@ -59,6 +59,12 @@ def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
     curve = r["curve"]
     assert len(curve) >= 2 and curve[-1]["final"] and all("ce" in p for p in curve), curve
     assert [p["cpu_s"] for p in curve] == sorted(p["cpu_s"] for p in curve)
+    steps = [p["steps"]["mean"] for p in curve]     # each point's optimizer steps, the last one the run's
+    assert steps == sorted(steps) and steps[-1] == pytest.approx(sum(w["steps"] for w in r["workers"]) / len(r["workers"]))
+    # where the time went: every worker served or made calls and computed; block 0 computed and called
+    assert all(w["compute_s"] > 0 and w["times_s"]["forward"] > 0 and w["s_per_step"] > 0 for w in r["workers"])
+    assert all(w["times_s"]["call"] > 0 for w in r["workers"] if w["block"] == 0)
+    assert all(w["times_s"]["serve"] > 0 for w in r["workers"] if w["block"] == 1)
     assert [p["mark_cpu_s"] for p in fair["curve"]] == pytest.approx([p["cpu_s"] for p in curve])
     for ref in (whole, one):
         assert ref["ce"] < math.log(256) - 0.5 and 50 < ref["peak_rss_mib"] and ref["training_state_rss_mib"] >= 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from blocktrain.node.routing.pipeline_route import DownstreamFailed, NextStage
-from blocktrain.p2p.errors import RemoteHopError
+from blocktrain.p2p.errors import RemoteHopError, StreamTruncatedError
 from blocktrain.p2p.pipeline_wire import StageResponse
 
 
@@ -52,3 +52,39 @@ def test_a_holder_that_just_answered_survives_a_dht_read_without_it():
 
     assert asyncio.run(go()) == "no_holder"
     assert callee.calls == ["QmB", "QmB", "QmB"] and events.count("routed_unannounced") == 2
+
+
+class _Resets(_Callee):
+    """Answers with a stream cut before its first message (``truncated``) for the first ``cuts`` calls."""
+
+    def __init__(self, cuts: int):
+        super().__init__()
+        self.cuts = cuts
+
+    async def call(self, peer, req, timeout):
+        self.calls.append(peer)
+        if len(self.calls) <= self.cuts:
+            raise StreamTruncatedError(peer, "the answer stream ended before its first message")
+        return StageResponse(req.request_id, None, 1.0, {}, [peer])
+
+
+def test_a_cut_answer_stream_is_retried_once_on_the_only_holder_before_a_ban():
+    async def holders(block, fresh):
+        return ["QmB"]
+
+    def stage(cuts):
+        events = []
+        callee = _Resets(cuts)
+        return NextStage(callee, holders, mode="backprop", codec="fp32", self_peer="QmA", on_event=events.append), \
+            callee, events
+
+    x, y = torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long)
+    ns, callee, events = stage(1)       # one reset: the same holder carries the micro-batch, no ban
+    assert asyncio.run(ns.send(1, x, y, 5.0)).route == ["QmB"]
+    assert callee.calls == ["QmB", "QmB"] and events.count("retried_same") == 1 and not ns.bans.is_banned("QmB")
+    assert asyncio.run(ns.send(1, x, y, 5.0)).route == ["QmB"]     # and the next micro-batch too
+
+    ns, callee, events = stage(2)       # cut twice in a row: banned, the micro-batch is lost
+    with pytest.raises(DownstreamFailed):
+        asyncio.run(ns.send(1, x, y, 5.0))
+    assert callee.calls == ["QmB", "QmB"] and ns.bans.is_banned("QmB")

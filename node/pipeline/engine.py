@@ -118,14 +118,18 @@ class PipelineEngine:
 
     # -- compute (one thread, under the trainer's lock) ---------------------------------------------
     async def _in_compute(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._compute, self._timed, fn, args)
+        return await asyncio.get_running_loop().run_in_executor(self._compute, self._timed, fn, args,
+                                                                time.monotonic())
 
-    def _timed(self, fn, args):
+    def _timed(self, fn, args, queued: float):
+        t0 = time.monotonic()
+        self.stats.timed("compute_queue", t0 - queued)
         self.stats.activity.change(computing=1)
         try:
             return fn(*args)
         finally:
             self.stats.activity.change(computing=-1)
+            self.stats.timed("forward" if fn == self._forward else "backward", time.monotonic() - t0)
 
     def _forward(self, h_in: torch.Tensor | None, context: torch.Tensor | None, targets: torch.Tensor) -> _Work:
         """Run block b on one micro-batch. At the last block, and in streamed mode at every block, the
@@ -249,11 +253,14 @@ class PipelineEngine:
         except FloatingPointError as e:
             raise HopRequestError("internal", str(e)) from None
         finally:
+            self.stats.timed("serve", time.monotonic() - t0)
             self._held -= 1
             self.stats.activity.change(inflight=-1)
 
     async def _send(self, out: torch.Tensor, targets: torch.Tensor, deadline_s: float, origin: str) -> StageResponse:
+        t0 = time.monotonic()
         resp = await self.next.send(self.b + 1, out, targets, deadline_s, origin)
+        self.stats.timed("call", time.monotonic() - t0)
         self.stats.add("sent")
         return resp
 

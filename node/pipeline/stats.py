@@ -45,14 +45,18 @@ class PipelineStats:
     gradient came back, or streamed: the chain answered), ``lost`` (dropped, by reason). As a stage:
     ``received`` calls served, ``refused_busy``, ``failed_downstream``. Both: ``sent`` onward calls
     that were answered, ``failed_calls`` (a holder failed or timed out), ``retried`` (another holder
-    was asked after a failure), ``routed_unannounced`` (a holder picked from those that answered
+    was asked after a failure; ``retried_same``: the same holder, once, after its answer stream was
+    cut), ``routed_unannounced`` (a holder picked from those that answered
     recently, absent from the DHT read), ``busy`` answers met, ``recomputed`` backwards (the weights had
     changed since the forward; ``recomputed_stashed``: of those, on the stashed weights the forward used),
     ``steps`` optimizer steps taken; ``peak_weight_stash_bytes``: the most bytes of weight copies alive
-    at once (weight stashing)."""
+    at once (weight stashing). ``times_s``: where a micro-batch's wall time went at this worker, summed
+    (``call``: onward calls, request sent to answer decoded; ``serve``: calls served, request decoded to
+    answer ready; ``forward`` / ``backward``: compute; ``compute_queue``: waiting for the compute thread).
+    A hand-off's cost is the caller's ``call`` less the callee's ``serve`` for the same calls."""
 
     KEYS = ("started", "completed", "received", "answered", "refused_busy", "failed_downstream", "sent",
-            "failed_calls", "retried", "busy", "recomputed", "recomputed_stashed", "routed_unannounced", "steps",
+            "failed_calls", "retried", "retried_same", "busy", "recomputed", "recomputed_stashed", "routed_unannounced", "steps",
             "microbatches_accumulated")
 
     def __init__(self):
@@ -62,11 +66,16 @@ class PipelineStats:
         self.driver_wait_s = 0.0
         self.peak_held = 0
         self.peak_weight_stash_bytes = 0
+        self.times: Counter = Counter()
         self.activity = Activity()
 
     def add(self, key: str, n: int = 1) -> None:
         with self._lock:
             self.c[key] += n
+
+    def timed(self, key: str, seconds: float) -> None:
+        with self._lock:
+            self.times[key] += seconds
 
     def lose(self, reason: str) -> None:
         with self._lock:
@@ -89,7 +98,8 @@ class PipelineStats:
             out = {k: int(self.c[k]) for k in self.KEYS}
             out.update(lost=int(sum(self.lost.values())), lost_by_reason=dict(self.lost),
                        driver_wait_s=round(self.driver_wait_s, 3), peak_held=self.peak_held,
-                       peak_weight_stash_bytes=self.peak_weight_stash_bytes)
+                       peak_weight_stash_bytes=self.peak_weight_stash_bytes,
+                       times_s={k: round(v, 3) for k, v in self.times.items()})
         out.update(self.activity.snapshot())
         out["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
         if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -12,7 +12,12 @@ joined and announced is used from then on). Failures:
 * the holder failed or did not answer (unreachable, timeout, bad answer): recorded, banned for a
   while, and another holder is tried, at most ``retries`` times;
 * a stage further down failed (``downstream``, ``timeout``): the holder itself was fine; another
-  holder of b+1 is tried (it may route around the failure), within the same ``retries``.
+  holder of b+1 is tried (it may route around the failure), within the same ``retries``;
+* the answer stream was cut before it was complete (``truncated``: a reset of the stream or of the
+  connection between the two daemons, seen on a lightly loaded machine too: 3 times in 4,600 calls of
+  a 12-minute run) is first taken for a transient fault: the same holder is asked once more at once,
+  within the same ``retries``, and banned only if that fails too. Banning it on the first reset made
+  a block's only holder unreachable for 10 s: 697 of 4,621 micro-batches lost in that run.
 
 Every call is bounded by what is left of the micro-batch's deadline; when nothing is left, or no
 holder remains, :class:`DownstreamFailed` ends the micro-batch (the caller counts it lost).
@@ -59,7 +64,8 @@ class NextStage:
         self.self_peer, self.retries = self_peer, retries
         self.ranking = ranking or HolderRanking()
         self.bans = bans or PeerBans(ban_seconds=10.0)
-        self.on_event = on_event or (lambda _e: None)   # "retried", "busy", "failed_calls", "routed_unannounced"
+        self.on_event = on_event or (lambda _e: None)   # "retried", "retried_same", "busy", "failed_calls",
+        #                                                  "routed_unannounced"
         self._recent: dict[int, dict[str, float]] = {}   # block -> peer -> when it last answered (monotonic)
 
     def _known(self, block: int) -> list[str]:
@@ -80,6 +86,7 @@ class NextStage:
         """Carry (state, targets) to a holder of ``block``; its answer, or DownstreamFailed."""
         deadline = time.monotonic() + deadline_s
         tried: set[str] = set()
+        reset: set[str] = set()      # holders whose answer stream was cut once in this micro-batch
         failures, backoff, fresh, last = 0, 0.05, False, "no holder was asked"
         rid = uuid.uuid4().hex
         while True:
@@ -116,11 +123,15 @@ class NextStage:
                     backoff = min(1.0, backoff * 2)
                     continue
                 self.on_event("failed_calls")
-                if e.code not in ("downstream", "timeout"):   # the holder itself failed us
-                    self.ranking.record_failure(peer, str(e))
-                    self.bans.ban(peer, f"pipeline block {block}: {e}")
-                    self._forget(block, peer)
-                tried.add(peer)
+                if e.code == "truncated" and peer not in reset:   # a cut stream: once more, same holder
+                    reset.add(peer)
+                    self.on_event("retried_same")
+                else:
+                    if e.code not in ("downstream", "timeout"):   # the holder itself failed us
+                        self.ranking.record_failure(peer, str(e))
+                        self.bans.ban(peer, f"pipeline block {block}: {e}")
+                        self._forget(block, peer)
+                    tried.add(peer)
             except HopTimeoutError as e:
                 last = f"{peer[-8:]}: {e}"[:300]
                 self.on_event("failed_calls")
