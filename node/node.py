@@ -84,6 +84,7 @@ class Node:
         self.loops: list[Loop] = []
         self.resumed = False
         self.downloaded: dict | None = None
+        self.late_join: dict | None = None        # how the late join's download went: via, seconds, MB
         self.checkpoints_written = 0
         self.chain_ce_history: list[tuple[float, float]] = []
         self.route_bans = PeerBans()          # holders whose hops failed
@@ -314,16 +315,22 @@ class Node:
                   if a.peer_id != self.peer_id and a.state == "online"]   # joiners have nothing to give yet
         if not others:
             return
+        t0 = time.monotonic()
+        via = "averager"
         try:
             self.downloaded = self.averager.download_state(timeout=30)
         except ValueError as e:
             self._error(f"state download refused: {e}")
         if self.downloaded is None:   # fall back to the block RPC
+            via = "block rpc"
             got = self.fetcher.fetch(self.block_index, others, errors=self.errors)
             if got is not None:
                 self.trainer.load_state(got.tensors, step=int(got.meta.get("step", 0)),
                                         samples_seen=int(got.meta.get("samples_seen", 0)))
                 self.downloaded = got.meta
+        mb = sum(p.numel() * p.element_size() for p in self.trainer.module.parameters()) / 1e6
+        self.late_join = {"via": via if self.downloaded is not None else None,
+                          "s": round(time.monotonic() - t0, 2), "mb": round(mb, 2)}
 
     def announcements(self) -> list[BlockAnnouncement]:
         """What the refresher stores: this node's block, and while it moves, the block it is joining."""
