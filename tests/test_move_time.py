@@ -87,9 +87,9 @@ def test_move_time_loopback(tmp_path, size):
         joiner.wait_ready(timeout=600)
         late = joiner.info["late_join"]
         fetched = fetch_in([], sw.seed_maddr, run)
-        _check(late, fetched, late["mb"])
         report("move_time", link="127.0.0.1", d_model=d, layers=layers, block_mb=late["mb"], late_join=late,
                late_join_mb_per_s=round(late["mb"] / late["s"], 2), move_fetch=fetched)
+        _check(late, fetched, late["mb"])
     finally:
         stop_swarm(sw, grace=20)
 
@@ -110,9 +110,9 @@ def test_move_time_namespaces_20mbit(tmp_path, size):
             nodes[1].wait_ready(timeout=900)
             late = nodes[1].info["late_join"]
             fetched = fetch_in(c.cmd(), nodes[0].maddr, run)   # host c: its own link, seed's uplink shared
-            _check(late, fetched, late["mb"])
             report("move_time", link=f"netns {RATE_MBIT} Mbit/s tbf", d_model=d, layers=layers, block_mb=late["mb"],
                    late_join=late, late_join_mb_per_s=round(late["mb"] / late["s"], 2), move_fetch=fetched)
+            _check(late, fetched, late["mb"])
         finally:
             for n in nodes:
                 n.stop(timeout=10)
