@@ -42,7 +42,7 @@ from blocktrain.node.routing.hops import serve_local
 from blocktrain.node.routing.ranking import HolderRanking
 from blocktrain.node.routing.router import Router
 from blocktrain.node.routing.selection import choose_block
-from blocktrain.node.state_fetch import StateFetcher
+from blocktrain.node.state_fetch import StateFetcher, state_bytes, transfer_timeout
 from blocktrain.node.status import NodeStatus, build_status
 from blocktrain.node.trainer import BlockTrainer
 from blocktrain.node.upstream import UpstreamSnapshots
@@ -316,21 +316,21 @@ class Node:
         if not others:
             return
         t0 = time.monotonic()
-        via = "averager"
+        via, nbytes = "averager", state_bytes(self.trainer.module)
+        timeout = transfer_timeout(nbytes)   # 30 s, or more for a block a slow link cannot carry in 30 s
         try:
-            self.downloaded = self.averager.download_state(timeout=30)
+            self.downloaded = self.averager.download_state(timeout=timeout)
         except ValueError as e:
             self._error(f"state download refused: {e}")
         if self.downloaded is None:   # fall back to the block RPC
             via = "block rpc"
-            got = self.fetcher.fetch(self.block_index, others, errors=self.errors)
+            got = self.fetcher.fetch(self.block_index, others, errors=self.errors, timeout=timeout)
             if got is not None:
                 self.trainer.load_state(got.tensors, step=int(got.meta.get("step", 0)),
                                         samples_seen=int(got.meta.get("samples_seen", 0)))
                 self.downloaded = got.meta
-        mb = sum(p.numel() * p.element_size() for p in self.trainer.module.parameters()) / 1e6
         self.late_join = {"via": via if self.downloaded is not None else None,
-                          "s": round(time.monotonic() - t0, 2), "mb": round(mb, 2)}
+                          "s": round(time.monotonic() - t0, 2), "mb": round(nbytes / 1e6, 2)}
 
     def announcements(self) -> list[BlockAnnouncement]:
         """What the refresher stores: this node's block, and while it moves, the block it is joining."""

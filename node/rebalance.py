@@ -38,7 +38,7 @@ import threading
 import time
 
 from blocktrain.node.routing.selection import RebalancePolicy, block_load, choose_rebalance, ready_load
-from blocktrain.node.state_fetch import StateFetcher
+from blocktrain.node.state_fetch import StateFetcher, state_bytes, transfer_timeout
 
 log = logging.getLogger(__name__)
 GRACE_S = 5.0   # keep serving the old block this long after its tombstone (routers cache holders 3 s)
@@ -179,8 +179,9 @@ class Rebalancer:
         trainer = n.new_trainer(t)
         fresh = trainer.check_loss()
         max_up = n.averager.policy.max_loss_increase
+        timeout = transfer_timeout(state_bytes(trainer.module))   # a large block over a slow link needs more than 30 s
         while others:
-            got = n.fetcher.fetch(t, others, errors=n.errors)
+            got = n.fetcher.fetch(t, others, errors=n.errors, timeout=timeout)
             if got is None:
                 break
             others = [a for a in others if a.peer_id != got.peer]
