@@ -112,7 +112,7 @@ def _announce_ready(node, opts: NodeOptions, ready_file: str | None, banner: str
     info = {"peer_id": me["peer_id"], "maddrs": me["maddrs"], "run_id": st.run["run_id"],
             "run_address": st.run["address"], "block": me["block"],
             "http_port": me["http_port"], "data": st.run["data"], "resumed": me["resumed"],
-            "downloaded_state": me["downloaded_state"], "reachability": me["reachability"], "pid": os.getpid()}
+            "downloaded_state": me["downloaded_state"], "late_join": me["late_join"], "reachability": me["reachability"], "pid": os.getpid()}
     if ready_file:
         tmp = Path(ready_file).with_suffix(".tmp")
         tmp.write_text(json.dumps(info) + "\n")

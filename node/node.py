@@ -42,7 +42,7 @@ from blocktrain.node.routing.hops import serve_local
 from blocktrain.node.routing.ranking import HolderRanking
 from blocktrain.node.routing.router import Router
 from blocktrain.node.routing.selection import choose_block
-from blocktrain.node.state_fetch import StateFetcher
+from blocktrain.node.state_fetch import StateFetcher, state_bytes, transfer_timeout
 from blocktrain.node.status import NodeStatus, build_status
 from blocktrain.node.trainer import BlockTrainer
 from blocktrain.node.upstream import UpstreamSnapshots
@@ -84,6 +84,7 @@ class Node:
         self.loops: list[Loop] = []
         self.resumed = False
         self.downloaded: dict | None = None
+        self.late_join: dict | None = None        # how the late join's download went: via, seconds, MB
         self.checkpoints_written = 0
         self.chain_ce_history: list[tuple[float, float]] = []
         self.route_bans = PeerBans()          # holders whose hops failed
@@ -320,16 +321,22 @@ class Node:
                   if a.peer_id != self.peer_id and a.state == "online"]   # joiners have nothing to give yet
         if not others:
             return
+        t0 = time.monotonic()
+        via, nbytes = "averager", state_bytes(self.trainer.module)
+        timeout = transfer_timeout(nbytes)   # 30 s, or more for a block a slow link cannot carry in 30 s
         try:
-            self.downloaded = self.averager.download_state(timeout=30)
+            self.downloaded = self.averager.download_state(timeout=timeout)
         except ValueError as e:
             self._error(f"state download refused: {e}")
         if self.downloaded is None:   # fall back to the block RPC
-            got = self.fetcher.fetch(self.block_index, others, errors=self.errors)
+            via = "block rpc"
+            got = self.fetcher.fetch(self.block_index, others, errors=self.errors, timeout=timeout)
             if got is not None:
                 self.trainer.load_state(got.tensors, step=int(got.meta.get("step", 0)),
                                         samples_seen=int(got.meta.get("samples_seen", 0)))
                 self.downloaded = got.meta
+        self.late_join = {"via": via if self.downloaded is not None else None,
+                          "s": round(time.monotonic() - t0, 2), "mb": round(nbytes / 1e6, 2)}
 
     def announcements(self) -> list[BlockAnnouncement]:
         """What the refresher stores: this node's block, and while it moves, the block it is joining."""

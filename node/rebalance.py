@@ -37,8 +37,8 @@ import random
 import threading
 import time
 
-from blocktrain.node.routing.selection import RebalancePolicy, block_load, choose_rebalance
-from blocktrain.node.state_fetch import StateFetcher
+from blocktrain.node.routing.selection import RebalancePolicy, block_load, choose_rebalance, ready_load
+from blocktrain.node.state_fetch import StateFetcher, state_bytes, transfer_timeout
 
 log = logging.getLogger(__name__)
 GRACE_S = 5.0   # keep serving the old block this long after its tombstone (routers cache holders 3 s)
@@ -58,11 +58,13 @@ class Rebalancer:
         self.policy = policy or RebalancePolicy(min_dwell_s=dwell_s)
         self.period_s = period_s
         self.rng = rng or random.Random()
-        self.moves: list[dict] = []          # finished moves: from, to, at, took_s, state_from
+        self.moves: list[dict] = []          # finished moves: from, to, at, took_s, state_from, why (the view)
         self.refused: list[dict] = []        # abandoned moves: to, at, reason
         self.checks = 0
         self.retry_at = 0.0                  # monotonic: no move before this (set by a refused move)
         self.last_view: list[int] | None = None   # live holders per block at the last check
+        self.last_ready: list[int] | None = None  # ready (online) holders per block at the last check
+        self.last_held_s = 0.0                    # how long this node had held its block at the last check
         self._lock = threading.Lock()
 
     def status(self) -> dict:
@@ -83,10 +85,12 @@ class Rebalancer:
         self.checks += 1
         holders = n.discovery.list_holders(n.run_id)
         self.last_view = block_load(holders, n.cfg.n_blocks)[0]
+        self.last_ready = ready_load(holders, n.cfg.n_blocks)
+        self.last_held_s = time.monotonic() - n.block_since
         if time.monotonic() < self.retry_at:
             return None
         t = choose_rebalance(holders, n.cfg.n_blocks, n.block_index, n.peer_id,
-                             held_for_s=time.monotonic() - n.block_since, draw=self.rng.random(), policy=self.policy)
+                             held_for_s=self.last_held_s, draw=self.rng.random(), policy=self.policy)
         if t is None or stop.is_set():
             return None
         return self.move(t, holders, stop)
@@ -94,6 +98,11 @@ class Rebalancer:
     def move(self, t: int, holders: dict, stop: threading.Event) -> int | None:
         n = self.node
         m, t0 = n.block_index, time.monotonic()
+        # why: the view the rule decided on, and whether block t was short (rule 5) or the move ordinary
+        live, ready = self.last_view, self.last_ready
+        short = bool(live and ready and self.policy.wanted(ready[t], live[t] - ready[t]) > 0)
+        why = {"live": live, "ready": ready, "held_s": round(self.last_held_s, 1),
+               "rule": "short block" if short else "ordinary"}
         log.info("rebalancing: moving from block %d to block %d (holders per block %s)", m, t, self.last_view)
         try:   # before anything is announced: nothing to undo if m cannot spare this node
             self._confirm_keepers(m, holders)
@@ -123,7 +132,7 @@ class Rebalancer:
             except Exception as e:   # the old record then lives out its TTL
                 n._error(f"withdrawing the record of block {m} after the move: {type(e).__name__}: {e}")
         self.moves.append({"from": m, "to": t, "at": time.time(), "took_s": round(time.monotonic() - t0, 2),
-                           "state_from": fetched.peer, "step": trainer.step})
+                           "state_from": fetched.peer, "step": trainer.step, "why": why})
         del self.moves[:-50]
         log.info("rebalancing: now holding block %d (was %d), took %.1f s", t, m, time.monotonic() - t0)
         stop.wait(GRACE_S)
@@ -170,8 +179,9 @@ class Rebalancer:
         trainer = n.new_trainer(t)
         fresh = trainer.check_loss()
         max_up = n.averager.policy.max_loss_increase
+        timeout = transfer_timeout(state_bytes(trainer.module))   # a large block over a slow link needs more than 30 s
         while others:
-            got = n.fetcher.fetch(t, others, errors=n.errors)
+            got = n.fetcher.fetch(t, others, errors=n.errors, timeout=timeout)
             if got is None:
                 break
             others = [a for a in others if a.peer_id != got.peer]

@@ -20,6 +20,21 @@ from blocktrain.node.routing.ranking import HolderRanking
 from blocktrain.p2p.records import BlockAnnouncement
 
 log = logging.getLogger(__name__)
+#: the slowest link a block's state download is given time for (1 MB/s = 8 Mbit/s): measured, a 58.7 MB
+#: block took 25 s over 20 Mbit/s and a 131 MB one could not arrive within the former fixed 30 s at all
+#: (BENCHMARKS.md "Move time for a real block")
+MIN_STATE_RATE_MB_S = 1.0
+
+
+def transfer_timeout(n_bytes: int, base_s: float = 30.0) -> float:
+    """Seconds to allow one download of ``n_bytes`` of block state: ``base_s`` for small blocks,
+    10 s plus the size at :data:`MIN_STATE_RATE_MB_S` for large ones."""
+    return max(base_s, 10.0 + n_bytes / 1e6 / MIN_STATE_RATE_MB_S)
+
+
+def state_bytes(module: torch.nn.Module) -> int:
+    """The bytes of a block's state as the block RPC and the averager send it (its parameters)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 @dataclass

@@ -345,8 +345,14 @@ class BlockAveragerHandle:
             lock.release()
 
     def download_state(self, timeout: float = 30.0) -> tuple[dict, list[torch.Tensor]] | None:
-        """The block's state from a same-prefix peer that shares it, or None if none answered."""
-        got = self.averager.load_state_from_peers(timeout=timeout)
+        """The block's state from a same-prefix peer that shares it, or None if none answered in
+        ``timeout`` seconds (hivemind raises TimeoutError then: a block larger than the link carries
+        in that time; the caller falls back to the block RPC instead of dying of it)."""
+        try:
+            got = self.averager.load_state_from_peers(timeout=timeout)
+        except TimeoutError:
+            log.warning("state download through the averager gave up after %.0f s", timeout)
+            return None
         if got is None:
             return None
         meta, tensors = got

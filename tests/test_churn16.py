@@ -25,7 +25,7 @@ import pytest
 from blocktrain.node.client import NetworkClient
 
 from test_utils.configs import TEST_CORPUS
-from test_utils.reliability import TINY, RelSwarm, kill9, report, stop_swarm
+from test_utils.reliability import QUIET_TRAINING, TINY, RelSwarm, kill9, report, stop_swarm
 
 MINUTES = float(os.environ.get("BT_CHURN_MINUTES", "0"))
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.reliability,
@@ -35,39 +35,58 @@ pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.reliability,
 
 RUN = "churn16"
 N_NODES, N_BLOCKS, KILL_EVERY_S = 16, 4, 30.0
-ARGS = ["--device", "cpu", "--average-every", "30", "--checkpoint-every", "50", "--rebalance-dwell", "120"]
+# nodes train a quarter of the wall time (QUIET_TRAINING): 16 nodes training flat out on 2 cores starve the
+# restarts, the status polls and the generations the test measures
+ARGS = ["--device", "cpu", "--average-every", "30", "--checkpoint-every", "50", "--rebalance-dwell", "120",
+        *QUIET_TRAINING]
 
 
 class Monitor:
-    """Polls which nodes are alive and which block each holds (ground truth, not announcements),
-    and runs generations through a client; both every ~2 s."""
+    """Ground truth, not announcements: which node processes are alive (checked at every sample) and
+    which block each reports (its own /v1/status, polled by one thread per node every ~3 s, so one slow
+    node does not hold up the others' view); a coverage sample every ~2 s; generations through a client
+    every ~2 s; every rebalancing move any node reports (a killed node's list dies with it)."""
+
+    SAMPLE_S, POLL_S = 2.0, 3.0
 
     def __init__(self, nodes, client):
         self.nodes, self.client = nodes, client
         self.block: dict[str, int] = {}
         self.down: set[str] = set()                  # killed and not yet restarted/ready
         self.samples: list[tuple[float, bool]] = []  # (time, every block has a live holder)
+        self.uncovered: list[tuple[float, list[int]]] = []   # (time, blocks with no live holder)
         self.gens: list[tuple[float, bool, bool, int, str]] = []   # time, covered, ok, failovers, error
+        self.moves: dict[tuple[str, float], dict] = {}             # (node, at) -> the node's move record
         self.stop = threading.Event()
         self.lock = threading.Lock()
 
-    def covered(self) -> bool:
+    def holding(self) -> set[int]:
         with self.lock:
-            held = {self.block[n.name] for n in self.nodes if n.name not in self.down and n.alive}
-        return held >= set(range(N_BLOCKS))
+            return {self.block[n.name] for n in self.nodes if n.name not in self.down and n.alive}
 
-    def poll_blocks(self) -> None:
-        while not self.stop.wait(2.0):
-            for n in self.nodes:
-                if n.name in self.down or not n.alive:
-                    continue
-                try:
-                    b = n.get("/v1/status", timeout=10)["self"]["block"]
-                except Exception:
-                    continue
-                with self.lock:
-                    self.block[n.name] = b
-            self.samples.append((time.time(), self.covered()))
+    def covered(self) -> bool:
+        return self.holding() >= set(range(N_BLOCKS))
+
+    def poll_node(self, n) -> None:
+        while not self.stop.wait(self.POLL_S):
+            if n.name in self.down or not n.alive:
+                continue
+            try:
+                me = n.get("/v1/status", timeout=10)["self"]
+            except Exception:
+                continue
+            with self.lock:
+                if n.name not in self.down:
+                    self.block[n.name] = me["block"]
+                for mv in (me.get("rebalance") or {}).get("moves", []):
+                    self.moves[(n.name, mv["at"])] = {"node": n.name, **mv}
+
+    def sample(self) -> None:
+        while not self.stop.wait(self.SAMPLE_S):
+            held = self.holding()
+            self.samples.append((time.time(), held >= set(range(N_BLOCKS))))
+            if not self.samples[-1][1]:
+                self.uncovered.append((time.time(), sorted(set(range(N_BLOCKS)) - held)))
 
     def generate(self) -> None:
         while not self.stop.wait(2.0):
@@ -77,6 +96,20 @@ class Monitor:
                 self.gens.append((time.time(), covered and self.covered(), True, out["failovers"], ""))
             except Exception as e:
                 self.gens.append((time.time(), covered and self.covered(), False, 0, f"{type(e).__name__}: {e}"))
+
+    def threads(self) -> list[threading.Thread]:
+        return [threading.Thread(target=f, args=a, daemon=True)
+                for f, a in [(self.sample, ()), (self.generate, ()), *((self.poll_node, (n,)) for n in self.nodes)]]
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 1) if xs else None
+
+
+def without_block(args: list[str]) -> list[str]:
+    """A join command line without its ``--block N``: the node picks the least-held block itself."""
+    i = args.index("--block")
+    return args[:i] + args[i + 2:]
 
 
 def test_sixteen_nodes_under_churn(tmp_path):
@@ -97,7 +130,8 @@ def test_sixteen_nodes_under_churn(tmp_path):
         mon = Monitor(sw.nodes, client)
         for n in sw.nodes:
             mon.block[n.name] = n.info["block"]
-        threads = [threading.Thread(target=f, daemon=True) for f in (mon.poll_blocks, mon.generate)]
+        threads = mon.threads()
+        t0_wall = time.time()
         for th in threads:
             th.start()
 
@@ -105,7 +139,13 @@ def test_sixteen_nodes_under_churn(tmp_path):
         restarting: list[threading.Thread] = []
         restart_errors: list[str] = []
 
-        def restart(n) -> None:   # in a thread, so that the kills keep their 30 s cadence
+        pinned_args = {n.name: list(n.args) for n in victims}
+        restarts_log: list[dict] = []
+
+        def restart(n, pinned: bool) -> None:   # in a thread, so that the kills keep their 30 s cadence
+            # half the restarts come back on their --block (an operator's pinned block), the other half
+            # without it (a returning volunteer: it takes the least-held block, downloading it if new)
+            n.args = pinned_args[n.name] if pinned else without_block(pinned_args[n.name])
             t0 = time.monotonic()
             try:
                 n.start(env=getattr(n, "env", None))
@@ -114,6 +154,8 @@ def test_sixteen_nodes_under_churn(tmp_path):
                 restart_errors.append(f"{n.name}: {type(e).__name__}: {e}")
                 return
             join_s.append(time.monotonic() - t0)
+            restarts_log.append({"node": n.name, "pinned": pinned, "block_before": mon.block.get(n.name),
+                                 "block": n.info["block"], "s": round(join_s[-1], 1)})
             with mon.lock:
                 mon.block[n.name] = n.info["block"]
                 mon.down.discard(n.name)
@@ -132,11 +174,12 @@ def test_sixteen_nodes_under_churn(tmp_path):
             kill9(v)
             kills += 1
             if killed is not None:   # restart the one killed before: it resumes its checkpoint
-                restarting.append(threading.Thread(target=restart, args=(killed,), daemon=True))
+                restarting.append(threading.Thread(target=restart, args=(killed, len(restarting) % 2 == 0),
+                                                   daemon=True))
                 restarting[-1].start()
             killed = v
         if killed is not None:
-            restarting.append(threading.Thread(target=restart, args=(killed,), daemon=True))
+            restarting.append(threading.Thread(target=restart, args=(killed, len(restarting) % 2 == 0), daemon=True))
             restarting[-1].start()
         for th in restarting:
             th.join(timeout=330)
@@ -158,7 +201,10 @@ def test_sixteen_nodes_under_churn(tmp_path):
             d["succeeded"] += a["succeeded"]
             d["groups"] += [g for _, g, ok, _ in a["history"] if ok]
             round_s += a["round_seconds"]
-        moves = sum(len(st["self"]["rebalance"]["moves"]) for st in sts)
+        for n, st in zip(sw.nodes, sts):
+            for mv in st["self"]["rebalance"]["moves"]:
+                mon.moves[(n.name, mv["at"])] = {"node": n.name, **mv}
+        moves = sorted(mon.moves.values(), key=lambda mv: mv["at"])
         covered = [c for _, c in mon.samples]
         gens_cov = [g for g in mon.gens if g[1]]
         ok = sum(1 for g in gens_cov if g[2])
@@ -167,17 +213,23 @@ def test_sixteen_nodes_under_churn(tmp_path):
         figures = dict(
             nodes=N_NODES, blocks=N_BLOCKS, churn_minutes=MINUTES, kills=kills, restarts=restarts,
             startup_s=round(startup_s, 1), coverage=round(sum(covered) / max(1, len(covered)), 4),
-            coverage_samples=len(covered), generations=len(mon.gens), generations_while_covered=len(gens_cov),
+            coverage_samples=len(covered), sample_every_s=Monitor.SAMPLE_S,
+            uncovered=[(round(t - t0_wall, 1), b) for t, b in mon.uncovered][:20], generations=len(mon.gens), generations_while_covered=len(gens_cov),
             generations_ok_while_covered=ok, failovers=failovers, hop_failure_rate=round(failovers / max(1, hops), 4),
             join_to_serving_s=[round(x, 1) for x in join_s],
             join_to_serving_median_s=round(statistics.median(join_s), 1) if join_s else None,
+            restarts_log=restarts_log,
+            pinned_median_s=_median([r["s"] for r in restarts_log if r["pinned"]]),
+            unpinned_median_s=_median([r["s"] for r in restarts_log if not r["pinned"]]),
             round_s_median=round(statistics.median(round_s), 2) if round_s else None,
             round_s_p90=round(sorted(round_s)[int(0.9 * (len(round_s) - 1))], 2) if round_s else None,
             averaging={b: {"attempted": d["attempted"], "succeeded": d["succeeded"],
                            "participation": round(d["succeeded"] / max(1, d["attempted"]), 3),
                            "mean_group": round(statistics.mean(d["groups"]), 2) if d["groups"] else 0}
                        for b, d in sorted(per_block.items())},
-            rebalancing_moves=moves,
+            rebalancing_moves=len(moves),
+            moves=[{k: mv.get(k) for k in ("node", "from", "to", "took_s", "why")} | {"at": round(mv["at"] - t0_wall, 1)}
+                   for mv in moves],
             errors=[g[4] for g in mon.gens if not g[2]][:5])
         report("churn16", **figures)
         assert kills >= 2 * MINUTES - 1 and restarts == kills

@@ -22,7 +22,8 @@ CHURN_PRESETS: dict[str, dict] = {
 ASSUMED = {
     "sessions": "heavy-tailed session lengths (log-normal or Pareto, parameters above); offline gaps exponential",
     "download": "block download time log-normal, median 60 s, sigma 0.8 (p95 ~3.7 min); the 16-node run measured "
-                "97.5 s from process start to serving (tiny blocks, loaded 2-core machine; BENCHMARKS.md)",
+                "43.7 s from process start to serving on 2026-12-01 (97.5 s on 2026-11-30; tiny blocks, loaded 2-core "
+                "machine), and a 58.7 MB block's late-join download over 20 Mbit/s 49.8 s (BENCHMARKS.md)",
     "graceful": "half of the leaves withdraw their announcement at once; the others' records live out their TTL",
     "dht": "announcements are visible to everyone as soon as they are stored (no propagation delay)",
     "averaging": "a round per block every 60 s: every ready holder of the block takes part, split into "
@@ -33,8 +34,9 @@ ASSUMED = {
                   "holder fails with probability hop_failure (default 0)",
     "moves": "make before break: a mover keeps serving its old block until the new one is downloaded; a move "
              "takes a join's time unless move_median_s is given (the node measured 3.6 s and 0.78 s for a tiny block's "
-             "move, tests/test_rebalance_network.py, against 97.5 s restart to serving: a move starts no process "
-             "and joins no DHT; a real block adds its size over the uplink to both)",
+             "move, tests/test_rebalance_network.py, against 43.7-97.5 s restart to serving: a move starts no process "
+             "and joins no DHT; a real block adds its size over the uplink to both: a 58.7 MB block's move download "
+             "took 25 s over 20 Mbit/s, BENCHMARKS.md 'Move time for a real block')",
 }
 
 
