@@ -95,6 +95,7 @@ class PipelineBenchSettings:
     device: str = "cpu"             # --device of every worker and of the references (cuda: bf16 autocast)
     references: bool = True         # train the whole-size and one-block references (issue 13)
     wall_reference: bool = True     # the one-block reference also trains for the same wall time (not only CPU-s)
+    whole_reference: bool = True    # train the whole-size reference at equal tokens (target 1)
     curve_every: float = 0.0        # s between chain exports during training (0: no curve)
     curve_windows: int = 256        # held-out windows (the first of eval_windows) each curve point is scored on
     serving: bool = True            # measure each objective's serving cost (a second network per objective)
@@ -412,20 +413,24 @@ def _references(s: PipelineBenchSettings, cfg: ModelConfig, data_used: str, wind
     n = max(1, runs[src]["windows_block0"])
     spread = runs[src]["cpu_s_per_worker"]
     marks = [p["cpu_s"] for p in runs[src]["curve"] if "ce" in p]
-    say(f"references: whole-size model on {n} windows ({src}'s block 0); one-block model to {spread['mean']:.0f} "
-        f"CPU-s (one {src} worker's mean)" + (f" and {s.train_s:.0f}s of wall time" if s.wall_reference else ""))
-    whole = train_reference(cfg.to_dict(), data_used, cfg.reference_layers, windows, windows_n=n, device=s.device,
-                            seed=s.seed)
-    whole["tokens_matched_to"] = src
+    say((f"references: whole-size model on {n} windows ({src}'s block 0); " if s.whole_reference else "references: ")
+        + f"one-block model to {spread['mean']:.0f} CPU-s (one {src} worker's mean)"
+        + (f" and {s.train_s:.0f}s of wall time" if s.wall_reference else ""))
+    refs = {}
+    if s.whole_reference:
+        refs["whole"] = train_reference(cfg.to_dict(), data_used, cfg.reference_layers, windows, windows_n=n,
+                                        device=s.device, seed=s.seed)
+        refs["whole"]["tokens_matched_to"] = src
     one = train_reference(cfg.to_dict(), data_used, cfg.layers_per_block, windows,
                           seconds=s.train_s if s.wall_reference else None, cpu_seconds=spread["mean"], marks=marks,
                           curve_w=windows[:s.curve_windows], device=s.device, seed=s.seed)
     at = one.pop("at_cpu")
     same_cpu = {**at, "params": one["params"], "n_layers": one["n_layers"], "peak_rss_mib": one["peak_rss_mib"],
                 "cpu_matched_to": src, "worker_cpu_s": spread, "curve": one.pop("curve")}
-    refs = {"whole": whole, "one_block_cpu": same_cpu}
-    msg = f"references: whole-size CE {whole['ce']:.4f} ({whole['steps']} steps), one-block CE {at['ce']:.4f} at " \
-          f"{at['cpu_s']:.0f} CPU-s ({at['steps']} steps)"
+    refs["one_block_cpu"] = same_cpu
+    whole = refs.get("whole")
+    msg = (f"references: whole-size CE {whole['ce']:.4f} ({whole['steps']} steps), " if whole else "references: ") \
+        + f"one-block CE {at['ce']:.4f} at {at['cpu_s']:.0f} CPU-s ({at['steps']} steps)"
     if s.wall_reference:
         refs["one_block"] = one
         msg += f", {one['ce']:.4f} after {one['train_wall_s']:.0f}s of wall time ({one['steps']} steps)"
@@ -444,5 +449,6 @@ def plan_seconds(s: PipelineBenchSettings) -> dict:
                                        else s.gen_bytes) + 1
         serve = STARTUP_S + trav * cfg.n_blocks * 2 * s.delay_ms / 1000 if s.serving else 0.0
         per[o] = STARTUP_S + s.train_s + SCORE_S + serve
-    refs = (s.train_s if s.wall_reference else s.train_s / 2) + 2 * SCORE_S + s.train_s if s.references else 0.0
+    refs = ((s.train_s if s.wall_reference else s.train_s / 2) + 2 * SCORE_S
+            + (s.train_s if s.whole_reference else 0.0)) if s.references else 0.0
     return {"per_objective_s": per, "references_s": refs, "total_s": sum(per.values()) + refs}

@@ -75,6 +75,9 @@ def pipeline_table(res: dict) -> Table:
 @click.option("--no-wall-reference", is_flag=True,
               help="Train the one-block reference only to the CPU-seconds one pipeline worker used (the fair "
                    "budget), not also for the same wall time (saves up to --train-seconds).")
+@click.option("--no-whole-reference", is_flag=True,
+              help="Skip the whole-size reference at equal tokens (target 1; it costs up to --train-seconds); "
+                   "keep the one-block reference.")
 @click.option("--curve-every", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Seconds between snapshots of each network's chain during training (scored afterwards against "
                    "one worker's CPU-seconds, the one-block reference at the same CPU-seconds); 0: none.")
@@ -89,7 +92,8 @@ def pipeline_table(res: dict) -> Table:
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight, gen_bytes, delay_ms, eval_windows, overrides, data, plot,
-                       record, workdir, preset, tiny, device, no_references, no_serving, no_wall_reference, curve_every,
+                       record, workdir, preset, tiny, device, no_references, no_serving, no_wall_reference, no_whole_reference,
+                       curve_every,
                        weight_stash, flush, seed, plan_only, as_json):
     """pipeline and forward-streamed vs paper: real node processes, the same wall time each.
 
@@ -121,6 +125,7 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight,
     s.references = not no_references
     s.serving = not no_serving
     s.wall_reference = not no_wall_reference
+    s.whole_reference = not no_whole_reference
     s.curve_every = curve_every
     s.seed = seed
     s.weight_stash = weight_stash

@@ -1,6 +1,7 @@
 """``bt-node bench pipeline --tiny`` runs end to end on real node processes (one objective here, to
 keep the test short: the preset trains 3 workers over 2 blocks for 10 s, then serves from their
 checkpoints, then trains the two references) and reports every figure the table and plot show.
+--no-whole-reference skips the whole-size reference (checked without a network).
 The h200 preset's plan is checked against its 8-minute budget, and its settings (fp16 activations,
 8 in flight, references, the device handed to every worker) run here at the tiny size on CPU."""
 from __future__ import annotations
@@ -121,3 +122,31 @@ def test_no_stale_recompute_with_one_in_flight_or_a_flush(tmp_path, flags):
         b0 = [w for w in r["workers"] if w["block"] == 0][0]
         assert b0["windows"] == 3 * 4 * b0["steps"] and b0["steps"] > 0
     assert r["serving"] is None and res["settings"]["serving"] is False   # --no-serving: no second network
+
+
+@pytest.mark.timeout(300)
+def test_no_whole_reference_trains_only_the_one_block_reference(tmp_path):
+    """--no-whole-reference (a long run's target-2 question only): the references skip the whole-size model,
+    still train and score the one-block one at the workers' CPU-seconds, and the plan drops its time."""
+    from blocktrain.bench.pipeline import PipelineBenchSettings, _references, plan_seconds
+    from blocktrain.blocks.config import ModelConfig
+    from blocktrain.blocks.default_data import resolve_default
+    from blocktrain.blocks.windows import eval_windows
+    from blocktrain.node.swarm.run import typed_settings
+    s = PipelineBenchSettings.tiny()
+    s.wall_reference, s.whole_reference = False, False
+    cfg = ModelConfig.from_dict(typed_settings(list(s.overrides)), source="test")
+    split, data_used = resolve_default(str(TEST_CORPUS), cfg.seq_len, tmp_path)
+    windows = eval_windows(split.eval, cfg.seq_len, s.eval_windows)
+    runs = {"pipeline": {"windows_block0": 400, "cpu_s_per_worker": {"mean": 1.0, "min": 0.9, "max": 1.1},
+                         "curve": [{"cpu_s": 0.5, "ce": 5.0}]}}
+    said = []
+    refs = _references(s, cfg, data_used, windows, runs, said.append)
+    assert set(refs) == {"one_block_cpu"}, refs.keys()
+    fair = refs["one_block_cpu"]
+    assert fair["n_layers"] == 1 and fair["steps"] > 0 and 0.99 <= fair["cpu_s"] < 3 and fair["ce"] < math.log(256)
+    assert [p["mark_cpu_s"] for p in fair["curve"]] == pytest.approx([0.5])
+    assert all("whole-size" not in m for m in said), said
+    with_whole = plan_seconds(PipelineBenchSettings.tiny())["references_s"]
+    without = plan_seconds(PipelineBenchSettings(**{**s.__dict__, "wall_reference": True}))["references_s"]
+    assert with_whole - without == pytest.approx(s.train_s)
