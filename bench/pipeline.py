@@ -34,7 +34,10 @@ tokens), and the one-block model one worker trains alone, one process scored twi
 time reaches the mean CPU-seconds one ``pipeline`` worker used in the window (the fair reference: a
 worker on a real network has its own machine), and after the same wall time as each network (on this
 shared machine a network's workers split the cores while that process has one to itself); and along
-the way at the CPU-seconds of the network's curve points. All scored on the same held-out windows.
+the way at the CPU-seconds of the network's curve points. All scored on the same held-out windows,
+and each reference compared with the chain window by window (``chain_minus``: the mean of the chain's
+CE minus the reference's over the windows, with a paired bootstrap 95% interval over windows,
+``blocks/stats.py``; one seed, so the interval carries the text's sampling, not the seed's).
 
 Presets: the default (CPU, sized for a 2-core machine), ``tiny`` (seconds, for the test) and
 ``h200`` (bf16 autocast on one CUDA device shared by every worker, sized for at most 8 minutes on
@@ -54,6 +57,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 
 from blocktrain.bench.pipeline_refs import train_reference
@@ -62,7 +66,9 @@ from blocktrain.bench.swarm import _env, _metrics, init_blocks
 from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.config import ModelConfig
 from blocktrain.blocks.default_data import resolve_default
+from blocktrain.blocks.evaluate import per_window_chain_ce
 from blocktrain.blocks.objectives import get_objective
+from blocktrain.blocks.stats import paired_bootstrap
 from blocktrain.blocks.windows import eval_windows
 from blocktrain.node.swarm.launcher import LocalSwarm
 from blocktrain.node.swarm.run import typed_settings
@@ -370,8 +376,9 @@ def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
                 net.swarm.stop_all()
             chains = _load_chains(cfg, r["workers"])
             ces = [obj.score(obj.local_hops(c), windows, k=2, generator=g().manual_seed(0)).ce for c in chains]
+            per_window = np.mean([per_window_chain_ce(obj, c, windows, k=2)[0] for c in chains], axis=0)
             r.update(chain_ce=sum(ces) / len(ces), chain_ce_by_replica=ces, chain_ce_init=ce_init,
-                     ce_kind=obj.ce_kind)
+                     ce_kind=obj.ce_kind, chain_ce_per_window=[round(float(x), 6) for x in per_window])
             _score_curve(obj, cfg, r["curve"], windows[:s.curve_windows])
             if s.curve_every > 0:   # the end of the curve: the final chains, on the curve's windows
                 end = [obj.score(obj.local_hops(c), windows[:s.curve_windows], k=2, generator=g().manual_seed(0)).ce
@@ -428,12 +435,22 @@ def _references(s: PipelineBenchSettings, cfg: ModelConfig, data_used: str, wind
     same_cpu = {**at, "params": one["params"], "n_layers": one["n_layers"], "peak_rss_mib": one["peak_rss_mib"],
                 "cpu_matched_to": src, "worker_cpu_s": spread, "curve": one.pop("curve")}
     refs["one_block_cpu"] = same_cpu
-    whole = refs.get("whole")
-    msg = (f"references: whole-size CE {whole['ce']:.4f} ({whole['steps']} steps), " if whole else "references: ") \
-        + f"one-block CE {at['ce']:.4f} at {at['cpu_s']:.0f} CPU-s ({at['steps']} steps)"
     if s.wall_reference:
         refs["one_block"] = one
-        msg += f", {one['ce']:.4f} after {one['train_wall_s']:.0f}s of wall time ({one['steps']} steps)"
+    chain = runs[src].get("chain_ce_per_window")
+    for ref in refs.values():   # the chain minus each reference, window by window
+        if chain and len(chain) == len(ref["per_window"]) >= 2:
+            ref["chain_minus"] = {"chain": src, **paired_bootstrap(chain, ref["per_window"]).to_dict()}
+
+    def vs(ref: dict) -> str:
+        d = ref.get("chain_minus")
+        return f"; chain minus it {d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]" if d else ""
+    whole = refs.get("whole")
+    msg = (f"references: whole-size CE {whole['ce']:.4f} ({whole['steps']} steps{vs(whole)}), " if whole
+           else "references: ") + f"one-block CE {at['ce']:.4f} at {at['cpu_s']:.0f} CPU-s ({at['steps']} steps" \
+        + f"{vs(same_cpu)})"
+    if s.wall_reference:
+        msg += f", {one['ce']:.4f} after {one['train_wall_s']:.0f}s of wall time ({one['steps']} steps{vs(one)})"
     say(msg)
     return refs
 

@@ -44,7 +44,7 @@ def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: fl
         torch.set_num_threads(1)
         from blocktrain.blocks.config import ModelConfig
         from blocktrain.blocks.data import resolve_data
-        from blocktrain.blocks.evaluate import evaluate_reference
+        from blocktrain.blocks.evaluate import evaluate_reference, per_window_reference_ce
         from blocktrain.blocks.reference import ReferenceLM
         from blocktrain.blocks.train import make_optimizer, optimizer_step, reference_loss_fn
         from blocktrain.blocks.windows import WindowSampler
@@ -64,24 +64,30 @@ def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: fl
         pending = sorted(m for m in marks if m > 0)
         curve, at_cpu, at_wall = [], None, None
 
-        def snapshot(w: torch.Tensor) -> dict:
-            return {"cpu_s": round(cpu(), 2), "wall_s": round(wall(), 2), "steps": steps,
-                    "tokens": steps * cfg.batch_size * cfg.seq_len, "ce": score(w)}
+        def snapshot(w: torch.Tensor, per_window: bool = True) -> dict:
+            out = {"cpu_s": round(cpu(), 2), "wall_s": round(wall(), 2), "steps": steps,
+                   "tokens": steps * cfg.batch_size * cfg.seq_len}
+            return {**out, **score(w, per_window)}
 
-        def score(w: torch.Tensor) -> float:
+        def score(w: torch.Tensor, per_window: bool) -> dict:
+            """``ce`` on ``w``; on the held-out windows also each window's CE (``per_window``: the paired
+            comparison with the chain, window by window)."""
             nonlocal off_wall, off_cpu
             tw, tc = time.time(), time.process_time()
             if dev.type == "cuda":
                 torch.cuda.synchronize()
-            ce = evaluate_reference(model, w.to(dev))
+            res = {"ce": evaluate_reference(model, w.to(dev))}
+            if per_window:
+                res["per_window"] = [round(float(x), 6) for x in per_window_reference_ce(model, w.to(dev))]
             model.train()
             off_wall += time.time() - tw
             off_cpu += time.process_time() - tc
-            return ce
+            return res
 
         while True:
             while pending and cpu() >= pending[0]:
-                curve.append({"mark_cpu_s": pending.pop(0), **snapshot(curve_w if curve_w is not None else eval_w)})
+                curve.append({"mark_cpu_s": pending.pop(0), **snapshot(curve_w if curve_w is not None else eval_w,
+                                                                         per_window=False)})
             if cpu_seconds is not None and at_cpu is None and cpu() >= cpu_seconds:
                 at_cpu = {"cpu_budget_s": cpu_seconds, **snapshot(eval_w)}
             if seconds is not None and at_wall is None and wall() >= seconds:
@@ -95,7 +101,7 @@ def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: fl
         # the headline: at the wall-time budget if given, else the windows budget (the end), else the CPU budget
         end = at_wall or (snapshot(eval_w) if windows_n is not None or at_cpu is None else at_cpu)
         hwm = _rss_kib("VmHWM")
-        q.put({"ce": end["ce"], "steps": end["steps"], "tokens": end["tokens"],
+        q.put({"ce": end["ce"], "per_window": end["per_window"], "steps": end["steps"], "tokens": end["tokens"],
                "train_wall_s": round(end["wall_s"], 1), "train_cpu_s": round(end["cpu_s"], 1), "at_cpu": at_cpu,
                "curve": curve, "n_layers": n_layers, "params": sum(p.numel() for p in model.parameters()),
                "peak_rss_mib": hwm / 1024, "training_state_rss_mib": (hwm - rss0) / 1024})

@@ -17,7 +17,7 @@ def pipeline_table(res: dict) -> Table:
                     f"per objective; chain CE on {s['eval_windows']} held-out windows")
     for col in ("objective", "chain CE", "untrained", "tokens/s", "CPU-s/worker (min-max)", "MB sent",
                 "KB/worker/step", "peak MiB", "stalled s", "lost / done", f"serve {s['gen_bytes']} B: traversals",
-                "serve s"):
+                "serve s", "chain minus ref [95%]"):
         t.add_column(col, justify="right" if col != "objective" else "left")
     for name, r in res["runs"].items():
         sv = r["serving"] or {"traversals": "-", "latency_s": None}
@@ -27,7 +27,7 @@ def pipeline_table(res: dict) -> Table:
                   _mb(r["bytes_sent_total"]), _f((r["bytes_sent_per_worker_per_step"] or 0) / 1e3, ".1f"),
                   _f(r["peak_rss_mib_max"], ".0f"), _f(r["stalled_s_total"], ".1f"),
                   f"{r['microbatches_lost']} / {r['microbatches_completed']}", str(sv["traversals"]),
-                  _f(sv["latency_s"], ".2f"))
+                  _f(sv["latency_s"], ".2f"), "")
     for key, label in (("whole", "reference: whole-size, end to end, equal tokens"),
                        ("one_block_cpu", "reference: one block alone, CPU-s of one pipeline worker"),
                        ("one_block", "reference: one block alone, same wall time, this shared machine")):
@@ -35,9 +35,13 @@ def pipeline_table(res: dict) -> Table:
         if ref:
             cpu = ref.get("cpu_s", ref.get("train_cpu_s"))
             wall = ref["wall_s"] if key == "one_block_cpu" else ref["train_wall_s"]
+            d = ref.get("chain_minus")
+            vs = f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]" if d else ""
             t.add_row(label, _f(ref["ce"]), "", _f(ref["tokens"] / max(wall, 1e-9), ".0f"), _f(cpu, ".0f"), "0", "0",
-                      _f(ref["peak_rss_mib"], ".0f"), "", f"{ref['steps']} steps", "", "")
-    t.caption = (f"protocol {res['protocol']}; serving at {s['delay_ms']:g} ms one-way per hop. {res['method']}.")
+                      _f(ref["peak_rss_mib"], ".0f"), "", f"{ref['steps']} steps", "", "", vs)
+    t.caption = (f"protocol {res['protocol']}; serving at {s['delay_ms']:g} ms one-way per hop; chain minus ref: the "
+                 f"mean over the held-out windows of the chain's CE minus the reference's, paired bootstrap 95% "
+                 f"interval over windows (one seed). {res['method']}.")
     return t
 
 

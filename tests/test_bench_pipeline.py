@@ -26,8 +26,8 @@ def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
         capture_output=True, text=True, timeout=540, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
-    r = res["runs"]["pipeline"]
-    assert list(res["runs"]) == ["pipeline"] and res["settings"]["plan"] == [0, 1, 1]
+    r, s = res["runs"]["pipeline"], res["settings"]
+    assert list(res["runs"]) == ["pipeline"] and s["plan"] == [0, 1, 1]
     assert r["chain_ce"] < r["chain_ce_init"] - 0.5 and r["chain_ce_init"] == pytest.approx(math.log(256), abs=0.1)
     assert len(r["chain_ce_by_replica"]) == 2                       # block 1 is held twice
     assert r["tokens_per_s"] > 0 and r["microbatches_completed"] > 0 and r["microbatches_lost"] >= 0
@@ -69,6 +69,15 @@ def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
     assert [p["mark_cpu_s"] for p in fair["curve"]] == pytest.approx([p["cpu_s"] for p in curve])
     for ref in (whole, one):
         assert ref["ce"] < math.log(256) - 0.5 and 50 < ref["peak_rss_mib"] and ref["training_state_rss_mib"] >= 0
+    # the chain and every reference scored window by window on the same windows, and compared pair by pair
+    from blocktrain.blocks.stats import paired_bootstrap
+    pw = r["chain_ce_per_window"]
+    assert len(pw) == s["eval_windows"] == 8 and sum(pw) / len(pw) == pytest.approx(r["chain_ce"], abs=1e-3)
+    for ref in (whole, one, fair):
+        assert len(ref["per_window"]) == len(pw) and sum(ref["per_window"]) / len(pw) == pytest.approx(ref["ce"], abs=1e-3)
+        d = ref["chain_minus"]
+        assert d["chain"] == "pipeline" and d["n_windows"] == len(pw) and d["lo"] <= d["mean"] <= d["hi"]
+        assert d == {"chain": "pipeline", **paired_bootstrap(pw, ref["per_window"]).to_dict()}
 
 
 def _run(args, timeout=540):
@@ -138,13 +147,19 @@ def test_no_whole_reference_trains_only_the_one_block_reference(tmp_path):
     cfg = ModelConfig.from_dict(typed_settings(list(s.overrides)), source="test")
     split, data_used = resolve_default(str(TEST_CORPUS), cfg.seq_len, tmp_path)
     windows = eval_windows(split.eval, cfg.seq_len, s.eval_windows)
+    chain = [5.0 + 0.1 * i for i in range(s.eval_windows)]   # a chain's per-window CE, as the network's run gives it
     runs = {"pipeline": {"windows_block0": 400, "cpu_s_per_worker": {"mean": 1.0, "min": 0.9, "max": 1.1},
-                         "curve": [{"cpu_s": 0.5, "ce": 5.0}]}}
+                         "curve": [{"cpu_s": 0.5, "ce": 5.0}], "chain_ce_per_window": chain}}
     said = []
     refs = _references(s, cfg, data_used, windows, runs, said.append)
     assert set(refs) == {"one_block_cpu"}, refs.keys()
     fair = refs["one_block_cpu"]
     assert fair["n_layers"] == 1 and fair["steps"] > 0 and 0.99 <= fair["cpu_s"] < 3 and fair["ce"] < math.log(256)
+    # compared with the chain window by window: the mean difference, inside its interval, said in the progress line
+    d = fair["chain_minus"]
+    assert len(fair["per_window"]) == len(chain) and d["n_windows"] == len(chain) and d["n_seeds"] == 1
+    assert d["mean"] == pytest.approx(sum(chain) / len(chain) - sum(fair["per_window"]) / len(chain))
+    assert d["lo"] <= d["mean"] <= d["hi"] and f"chain minus it {d['mean']:+.4f}" in said[-1], said
     assert [p["mark_cpu_s"] for p in fair["curve"]] == pytest.approx([0.5])
     assert all("whole-size" not in m for m in said), said
     with_whole = plan_seconds(PipelineBenchSettings.tiny())["references_s"]
