@@ -247,7 +247,10 @@ def pipeline_options(fn):
         click.option("--pipeline-flush", is_flag=True,
                      help="pipeline runs, holders of block 0: send --pipeline-inflight micro-batches together and "
                           "wait for all of them before the next (GPipe); with --pipeline-accumulate equal to "
-                          "--pipeline-inflight on every holder, no backward meets weights newer than its forward's."),
+                          "--pipeline-inflight on every holder, no backward meets weights newer than its forward's "
+                          "until a micro-batch fails: a holder counts micro-batches, not block 0's windows, so after "
+                          "a failed call it may step mid-window and later backwards are recomputed on newer weights "
+                          "(a known defect, BENCHMARKS.md run 15)."),
     ]
     for o in reversed(opts):
         wrapper = o(wrapper)
