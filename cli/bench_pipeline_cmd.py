@@ -89,9 +89,8 @@ def pipeline_table(res: dict) -> Table:
               help="--pipeline-weight-stash of every worker (pipeline: a backward after a weight change uses "
                    "the weights its forward used).")
 @click.option("--flush", is_flag=True, help="--pipeline-flush and --pipeline-accumulate = --inflight on every worker "
-                                            "(GPipe: one step per window of in-flight micro-batches, none stale "
-                                            "until a call fails; the workers' recomputed counts show the drift: "
-                                            "BENCHMARKS.md run 15).")
+                                            "(GPipe: every holder steps once per window of in-flight micro-batches, "
+                                            "none stale; the workers' recomputed counts check it).")
 @click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True,
               help="Every worker's --seed (data order) and init_seed; the references' too (a second seed of a run).")
 @click.option("--plan", "plan_only", is_flag=True, help="Print the preset's planned wall time and exit.")

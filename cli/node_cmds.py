@@ -245,12 +245,12 @@ def pipeline_options(fn):
                           "its backward, run the backward on the weights the forward used (a copy is kept per "
                           "version still needed: weight stashing); --no-...: on the current weights."),
         click.option("--pipeline-flush", is_flag=True,
-                     help="pipeline runs, holders of block 0: send --pipeline-inflight micro-batches together and "
-                          "wait for all of them before the next (GPipe); with --pipeline-accumulate equal to "
-                          "--pipeline-inflight on every holder, no backward meets weights newer than its forward's "
-                          "until a micro-batch fails: a holder counts micro-batches, not block 0's windows, so after "
-                          "a failed call it may step mid-window and later backwards are recomputed on newer weights "
-                          "(a known defect, BENCHMARKS.md run 15)."),
+                     help="pipeline runs, holders of block 0: send --pipeline-inflight micro-batches together, "
+                          "marked with their window, and wait for all of them before the next (GPipe); every "
+                          "holder steps once per window (block 0 when it is done, the others when the next one "
+                          "arrives, never while a backward is still due), so with one holder per block no "
+                          "backward meets weights newer than its forward's, failed or retried calls included. "
+                          "--pipeline-accumulate then applies only to micro-batches without a window."),
     ]
     for o in reversed(opts):
         wrapper = o(wrapper)

@@ -108,6 +108,11 @@ class BlockTrainer:
             self._pending.append((samples, loss))
             return len(self._pending)
 
+    @property
+    def pending_microbatches(self) -> int:
+        """Micro-batches whose gradients wait for the next :meth:`step_accumulated`."""
+        return len(self._pending)
+
     def step_accumulated(self, *, apply: bool = True) -> dict | None:
         """One optimizer step on the mean gradient of the pending micro-batches (clip, step, zero);
         with ``apply`` False (not training: max steps reached, serve-only) they are dropped. None if

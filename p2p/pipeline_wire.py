@@ -5,7 +5,9 @@ ways in parts of ``DEFAULT_CHUNK_BYTES``. The first request message carries JSON
 
     {"v": 1, "request_id": str, "block_index": b, "mode": "backprop" | "streamed",
      "codec": "fp32" | "fp16" | "8bit", "deadline_s": seconds the caller waits (0 < d <= 600),
-     "scale": float (fp16 only), "origin": peer id of the block-0 holder (optional)}
+     "scale": float (fp16 only), "origin": peer id of the block-0 holder (optional),
+     "window": int (optional: the block-0 holder's window of micro-batches, GPipe flush; a stage
+     steps its optimizer when a micro-batch of a new (origin, window) arrives)}
 
 then the tensors: the state h_{b-1} (N, T, D) as the codec sends it, then ``targets`` (N, T) uint8 or
 int64 (the next bytes, for the losses). The answer's first message carries
@@ -51,6 +53,7 @@ MODES = ("backprop", "streamed")
 TARGET_DTYPES = ("uint8", "int64")
 MAX_DEADLINE_S = 600.0
 MAX_ROUTE = 64
+MAX_WINDOW = 2**53           # window ids are JSON integers: exact in a double
 
 
 def train_namespace(run_id: str, block_index: int) -> str:
@@ -90,6 +93,7 @@ class StageRequest:
     deadline_s: float = 60.0      # how long the caller waits for the answer
     request_id: str = ""
     origin: str = ""
+    window: int | None = None     # the block-0 holder's window (--pipeline-flush); None: not windowed
 
 
 @dataclass
@@ -195,6 +199,8 @@ def request_message(req: StageRequest) -> tuple[bytes, list[runtime_pb2.Tensor],
             "mode": req.mode, "codec": req.codec, "deadline_s": float(req.deadline_s), **enc.meta}
     if req.origin:
         meta["origin"] = req.origin
+    if req.window is not None:
+        meta["window"] = int(req.window)
     return encode_meta(meta), [*enc.tensors, targets], enc.nbytes, len(targets.buffer)
 
 
@@ -221,6 +227,10 @@ def parse_request_meta(meta: dict[str, Any], served_block: int, limits: Pipeline
     origin = meta.get("origin", "")
     if not isinstance(origin, str) or len(origin) > 128:
         raise HopRequestError("malformed", "origin must be a peer id string")
+    window = meta.get("window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool)
+                               or not 0 <= window < MAX_WINDOW):
+        raise HopRequestError("malformed", f"window must be an integer in [0, 2**53), got {window!r}")
     return rid
 
 
@@ -252,7 +262,7 @@ def decode_request(meta: dict[str, Any], pbs: list[runtime_pb2.Tensor], served_b
     if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= limits.vocab_size):
         raise HopRequestError("bad_value", f"target byte ids must lie in [0, {limits.vocab_size})")
     return StageRequest(served_block, state, targets, meta["mode"], codec, float(meta["deadline_s"]), rid,
-                        meta.get("origin", ""))
+                        meta.get("origin", ""), meta.get("window"))
 
 
 # -- responses ------------------------------------------------------------------------------------

@@ -22,20 +22,19 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from hivemind.p2p import P2P, PeerID
-from hivemind.proto import runtime_pb2
+from hivemind.p2p import P2P
 
 from blocktrain.blocks.chain_train import chain_gradients
 from blocktrain.blocks.config import ModelConfig
 from blocktrain.blocks.objectives import get_objective
 from blocktrain.node.swarm.launcher import NodeProc
 from blocktrain.p2p.aioloop import LoopThread
-from blocktrain.p2p.hops import decode_meta, encode_meta
-from blocktrain.p2p.pipeline_rpc import PipelineService
-from blocktrain.p2p.pipeline_wire import StageRequest, request_message, train_namespace
+from blocktrain.p2p.hops import decode_meta
+from blocktrain.p2p.pipeline_wire import StageRequest, request_message
 from blocktrain.p2p.tensors import encode_tensor
 
 from test_utils.configs import TEST_CORPUS
+from test_utils.raw_pipeline import raw_train_call
 from test_utils.reliability import HERE, stop_swarm, wait_for
 
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(420)]
@@ -148,17 +147,6 @@ def test_bytes_counted_are_the_tensors_sizes(probed):
     assert metrics["received"] == 2 and metrics["sent"] == 2 and metrics["lost"] == 0
 
 
-async def _raw_call(p2p, peer, run: str, meta: dict, tensors: list) -> tuple[dict, list]:
-    async def parts():
-        yield runtime_pb2.ExpertRequest(metadata=encode_meta(meta), tensors=tensors)
-    stub = PipelineService.get_stub(p2p, PeerID.from_base58(peer), namespace=train_namespace(run, 1))
-    first, rest = None, []
-    async for msg in await stub.rpc_train(parts()):
-        first = first or decode_meta(msg.metadata)
-        rest += list(msg.tensors)
-    return first, rest
-
-
 def test_bad_activation_messages_are_refused_with_a_typed_error(probed):
     nodes, D, run = probed.nodes, probed.d, probed.run
     target = nodes[1]
@@ -175,13 +163,13 @@ def test_bad_activation_messages_are_refused_with_a_typed_error(probed):
     try:
         p2p = loop.run(P2P.create(initial_peers=target.info["maddrs"]), timeout=60)
         for code, tensors in bad.items():
-            ans, got = loop.run(_raw_call(p2p, target.info["peer_id"], run, meta, tensors), timeout=60)
+            ans, got = loop.run(raw_train_call(p2p, target.info["peer_id"], run, 1, meta, tensors), timeout=60)
             assert ans["ok"] is False and ans["code"] == code and not got, (code, ans)
         # the node lives on, counted the refusals, and still trains a good message through blocks 1..3
         good = StageRequest(1, torch.randn(N, T, D), torch.randint(0, 256, (N, T)), "backprop", "fp16",
                             deadline_s=60.0, request_id="good")
         raw_meta, pbs, _, _ = request_message(good)
-        ans, got = loop.run(_raw_call(p2p, target.info["peer_id"], run, decode_meta(raw_meta), pbs), timeout=90)
+        ans, got = loop.run(raw_train_call(p2p, target.info["peer_id"], run, 1, decode_meta(raw_meta), pbs), timeout=90)
         assert ans["ok"] is True and len(ans["route"]) == 3 and got[0].dtype == "float16", ans
         assert list(got[0].size) == [N, T, D]
     finally:

@@ -56,6 +56,13 @@ def test_codecs_cost_what_they_say_and_keep_the_values():
     assert float((got.state - g).abs().max()) <= 1e-3 * float(g.abs().max())
 
 
+def test_a_flushed_micro_batch_carries_its_origin_and_window():
+    got, _, _ = roundtrip(request(origin="QmOrigin", window=41))
+    assert (got.origin, got.window) == ("QmOrigin", 41)
+    got, _, _ = roundtrip(request())           # not flushed: no window on the wire
+    assert got.window is None and "window" not in decode_meta(request_message(request())[0])
+
+
 def test_a_non_finite_state_is_never_sent():
     bad = x()
     bad[0, 0, 0] = float("inf")
@@ -87,6 +94,11 @@ def meta_and_tensors(**change):
     (dict(meta={"codec": "zip"}), "malformed"),
     (dict(meta={"v": 99}), "malformed"),
     (dict(meta={"codec": "fp16"}), "bad_dtype"),                                          # float32 sent as fp16
+    (dict(meta={"window": -1}), "malformed"),
+    (dict(meta={"window": 2**53}), "malformed"),
+    (dict(meta={"window": "7"}), "malformed"),
+    (dict(meta={"window": True}), "malformed"),
+    (dict(meta={"window": 1.5}), "malformed"),
 ])
 def test_bad_requests_are_refused_with_a_typed_error(change, code):
     m, pbs = meta_and_tensors(**change)

@@ -15,6 +15,16 @@ For runs whose objective is chain-trained (``pipeline``: backprop through the ch
 * Each holder accumulates its block's gradients; every ``accumulate`` micro-batches the trainer (the
   only writer of the weights) takes one optimizer step on their mean. Same-block replicas keep
   averaging as before (the node's averaging loop, woken every ``average_every`` steps).
+* With ``flush`` (GPipe) a block-0 holder sends windows of ``inflight`` micro-batches, each window
+  finished (or lost) before the next, and marks every micro-batch with its window (``window`` on the
+  wire, with ``origin``). Steps then follow the windows, not counts: block 0 steps when its window is
+  done; a stage steps when the first micro-batch of another (origin, window) arrives, before its
+  forward, and only if it holds no graph awaiting a backward (else the step waits for the next
+  window change: windows merge rather than a kept graph going stale; after ``MAX_DEFERRED`` such
+  waits in a row it steps anyway, counted ``window_steps_forced``). So a failed, retried or extra
+  micro-batch no longer shifts a holder's step phase (run 15's defect, BENCHMARKS.md), and with one
+  holder per block no backward recomputes. Micro-batches without a window (a block-0 holder that does
+  not flush) keep the ``accumulate`` count among themselves.
 
 Compute runs in one thread per worker, under the trainer's lock; network waits never hold it. A
 forward's graph is kept until its backward. When the weights changed meanwhile (an optimizer step
@@ -62,6 +72,7 @@ from blocktrain.p2p.pipeline_wire import StageRequest, StageResponse
 
 log = logging.getLogger(__name__)
 STAGE_MARGIN_S = 0.5      # a stage keeps this much of its caller's deadline for its own backward and answer
+MAX_DEFERRED = 2          # window changes in a row a stage may skip its step at (graphs still open) before it steps
 
 
 @dataclass
@@ -76,6 +87,8 @@ class _Work:
     context: torch.Tensor | None = None   #   block 0's bytes, for a recompute
     version: int = -1                     #   the weights the graph was built with
     weights: "_Weights | None" = None     #   and a copy of them (weight stashing)
+    window: tuple[str, int] | None = None  # (origin, window) of a flushed micro-batch
+    open: bool = False                    # its graph is kept and its backward has not run (counted in _open)
 
 
 class _Weights:
@@ -115,6 +128,12 @@ class PipelineEngine:
         self._latest: _Weights | None = None            # the copy of the current version (weight stashing)
         self._copies: weakref.WeakSet = weakref.WeakSet()   # every copy a held micro-batch still refers to
         self._shadow: torch.nn.Module | None = None      # a module to run a stashed version on (compute thread)
+        self._open = 0                  # kept graphs awaiting their backward (any thread, under _open_lock)
+        self._open_lock = threading.Lock()
+        self._window_key: tuple[str, int] | None = None   # the (origin, window) this stage's gradients are of
+        self._deferred = 0              # window changes in a row at which a step waited for open graphs
+        self._unwindowed = 0            # micro-batches without a window since the last step (the count rule)
+        self._window_seq = 0            # block 0 with flush: the id of its next window
 
     # -- compute (one thread, under the trainer's lock) ---------------------------------------------
     async def _in_compute(self, fn, *args):
@@ -131,12 +150,15 @@ class PipelineEngine:
             self.stats.activity.change(computing=-1)
             self.stats.timed("forward" if fn == self._forward else "backward", time.monotonic() - t0)
 
-    def _forward(self, h_in: torch.Tensor | None, context: torch.Tensor | None, targets: torch.Tensor) -> _Work:
+    def _forward(self, h_in: torch.Tensor | None, context: torch.Tensor | None, targets: torch.Tensor,
+                 window: tuple[str, int] | None = None) -> _Work:
         """Run block b on one micro-batch. At the last block, and in streamed mode at every block, the
         loss and its backward too (the micro-batch is then done here); else keep the graph."""
         t, obj, dev = self.trainer, self.objective, self.trainer.device
         n = int(targets.shape[0])
         with t.lock:
+            if window is not None and self.b != 0:
+                self._enter_window(window)
             t.module.train()
             x = None if h_in is None else h_in.to(dev)
             ctx = None if context is None else context.to(dev)
@@ -145,16 +167,48 @@ class PipelineEngine:
                 x.requires_grad_(True)
             h = obj.stage_forward(t.module, self.b, x, ctx)
             if keep:
+                with self._open_lock:
+                    self._open += 1
                 return _Work(h.detach().cpu(), n, x=x, h=h, context=ctx, version=t.weights_version,
-                             weights=self._stash_current() if self.settings.weight_stash else None)
+                             weights=self._stash_current() if self.settings.weight_stash else None,
+                             window=window, open=True)
             loss, _ = obj.stage_loss(t.module, self.b, h, targets.to(dev))
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss at block {self.b}")
             loss.backward()
             grad_in = x.grad.detach().cpu() if x is not None and x.grad is not None else None
-            work = _Work(None if self.last else h.detach().cpu(), n, float(loss.detach()), grad_in)
-            self._accumulated(work.samples, work.loss)
+            work = _Work(None if self.last else h.detach().cpu(), n, float(loss.detach()), grad_in, window=window)
+            self._accumulated(work.samples, work.loss, windowed=window is not None)
         return work
+
+    def _release(self, work: _Work | None) -> None:
+        """The micro-batch's kept graph will not be backpropagated (done, or dropped): no longer open."""
+        if work is None:
+            return
+        with self._open_lock:
+            if work.open:
+                work.open = False
+                self._open -= 1
+
+    def _enter_window(self, key: tuple[str, int]) -> None:
+        """A flushed micro-batch is about to run its forward here (under the trainer's lock): at the first
+        one of another window, step on the gradients of the windows before, unless a kept graph still
+        awaits its backward (a step would make it stale: wait for the next window change)."""
+        if key == self._window_key:
+            return
+        self._window_key = key
+        if not self.trainer.pending_microbatches:
+            self._deferred = 0
+            return
+        with self._open_lock:
+            held = self._open
+        if held and self._deferred < MAX_DEFERRED:
+            self._deferred += 1
+            self.stats.add("window_steps_deferred")
+            return
+        if held:
+            self.stats.add("window_steps_forced")
+        self._step()
 
     def _stash_current(self) -> "_Weights":
         """The copy of the current weights (made once per version, under the trainer's lock)."""
@@ -195,7 +249,8 @@ class PipelineEngine:
             if h is not None:
                 h.backward(grad_out.to(h.device, h.dtype))
             work.x = work.h = work.weights = None
-            self._accumulated(work.samples, loss)
+            self._release(work)
+            self._accumulated(work.samples, loss, windowed=work.window is not None)
             return None if x is None else x.grad.detach().cpu()
 
     def _shadow_with(self, weights: "_Weights") -> torch.nn.Module:
@@ -208,15 +263,22 @@ class PipelineEngine:
         self._shadow.train()
         return self._shadow
 
-    def _accumulated(self, samples: int, loss: float | None) -> None:
-        """One more micro-batch in the block's gradients; every ``accumulate`` of them, a step."""
-        t = self.trainer
+    def _accumulated(self, samples: int, loss: float | None, windowed: bool = False) -> None:
+        """One more micro-batch in the block's gradients; without a window, every ``accumulate`` of
+        those a step (windowed ones step at window changes: :meth:`_enter_window`, :meth:`_window`)."""
         self.stats.add("microbatches_accumulated")
-        if t.add_microbatch(samples, loss) >= self.settings.accumulate:
-            idle = self.idle()
-            if t.step_accumulated(apply=not idle) is not None:
-                self.stats.add("steps")
-                self.on_step()
+        self.trainer.add_microbatch(samples, loss)
+        if not windowed:
+            self._unwindowed += 1
+            if self._unwindowed >= self.settings.accumulate:
+                self._step()
+
+    def _step(self) -> None:
+        """One optimizer step on every pending micro-batch (dropped while idle). Under the trainer's lock."""
+        self._unwindowed = self._deferred = 0
+        if self.trainer.step_accumulated(apply=not self.idle()) is not None:
+            self.stats.add("steps")
+            self.on_step()
 
     # -- a stage: serve rpc_train ---------------------------------------------------------------------
     async def handle(self, req: StageRequest) -> StageResponse:
@@ -232,14 +294,16 @@ class PipelineEngine:
         self.stats.add("received")
         self.stats.activity.change(inflight=1)
         t0 = time.monotonic()
+        work = None
+        window = None if req.window is None else (req.origin, req.window)
         try:
-            work = await self._in_compute(self._forward, req.state, None, req.targets)
+            work = await self._in_compute(self._forward, req.state, None, req.targets, window)
             own = {self.b: work.loss} if work.loss is not None else {}
             if self.last:
                 self.stats.add("answered")
                 return StageResponse(req.request_id, work.grad_in, work.loss, own, [self.self_peer])
             left = req.deadline_s - (time.monotonic() - t0) - STAGE_MARGIN_S
-            resp = await self._send(work.out, req.targets, left, req.origin)
+            resp = await self._send(work.out, req.targets, left, req.origin, req.window)
             grad = None
             if self.mode == "backprop":
                 grad = await self._in_compute(self._backward, work, resp.grad, resp.loss)
@@ -253,29 +317,33 @@ class PipelineEngine:
         except FloatingPointError as e:
             raise HopRequestError("internal", str(e)) from None
         finally:
+            self._release(work)
             self.stats.timed("serve", time.monotonic() - t0)
             self._held -= 1
             self.stats.activity.change(inflight=-1)
 
-    async def _send(self, out: torch.Tensor, targets: torch.Tensor, deadline_s: float, origin: str) -> StageResponse:
+    async def _send(self, out: torch.Tensor, targets: torch.Tensor, deadline_s: float, origin: str,
+                    window: int | None = None) -> StageResponse:
         t0 = time.monotonic()
-        resp = await self.next.send(self.b + 1, out, targets, deadline_s, origin)
+        resp = await self.next.send(self.b + 1, out, targets, deadline_s, origin, window)
         self.stats.timed("call", time.monotonic() - t0)
         self.stats.add("sent")
         return resp
 
     # -- a block-0 holder: read data, keep micro-batches in flight ------------------------------------
-    async def _microbatch(self, windows: torch.Tensor) -> None:
+    async def _microbatch(self, windows: torch.Tensor, window: int | None = None) -> None:
         if not self.last and not await self.next.any_holder(self.b + 1):
             self._starved = True     # nobody to send to yet: nothing computed, nothing lost
             return
         self.stats.add("started")
         self.stats.activity.change(inflight=1)
+        work = None
+        key = None if window is None else (self.self_peer, window)
         try:
             ctx, y = windows[:, :-1], windows[:, 1:]
-            work = await self._in_compute(self._forward, None, ctx, y)
+            work = await self._in_compute(self._forward, None, ctx, y, key)
             if not self.last:
-                resp = await self._send(work.out, y, self.settings.timeout_s, self.self_peer)
+                resp = await self._send(work.out, y, self.settings.timeout_s, self.self_peer, window)
                 if self.mode == "backprop":
                     await self._in_compute(self._backward, work, resp.grad, resp.loss)
             self.stats.add("completed")
@@ -287,6 +355,7 @@ class PipelineEngine:
             log.exception("pipeline micro-batch failed")
             self.stats.lose("error")
         finally:
+            self._release(work)
             self.stats.activity.change(inflight=-1)
 
     def run(self, stop: threading.Event) -> None:
@@ -332,14 +401,15 @@ class PipelineEngine:
         slots.release()
 
     def _window(self, stop: threading.Event) -> None:
-        """GPipe-style flush: ``inflight`` micro-batches sent together, all finished (or lost) before the
-        next window; with ``accumulate`` == ``inflight`` on every holder of a single chain each block steps
-        once per window, after its last backward, so no forward ever runs on weights older than its
-        backward's. Bounded: each micro-batch is bounded by ``timeout_s``."""
+        """GPipe-style flush: ``inflight`` micro-batches sent together, marked with this window's id, all
+        finished (or lost) before the next window; then block 0 steps, and every other holder steps when
+        the next window reaches it (:meth:`_enter_window`), so no backward meets weights newer than its
+        forward's, whatever failed. Bounded: each micro-batch is bounded by ``timeout_s``."""
         t, futs = self.trainer, []
+        window, self._window_seq = self._window_seq, self._window_seq + 1
         for _ in range(self.settings.inflight):
             try:
-                futs.append(self.loop.submit(self._microbatch(t.sampler.next_batch(t.cfg.batch_size))))
+                futs.append(self.loop.submit(self._microbatch(t.sampler.next_batch(t.cfg.batch_size), window)))
             except RuntimeError:   # the event loop is gone: the node is stopping
                 break
         t0 = time.monotonic()
@@ -349,6 +419,9 @@ class PipelineEngine:
         self.stats.waited(time.monotonic() - t0)
         if stop.is_set():
             return
+        with t.lock:
+            if t.pending_microbatches:
+                self._step()
         pause = self.duty.pause(time.monotonic() - t0)
         if pause:
             stop.wait(pause)

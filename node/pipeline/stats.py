@@ -49,7 +49,9 @@ class PipelineStats:
     cut), ``routed_unannounced`` (a holder picked from those that answered
     recently, absent from the DHT read), ``busy`` answers met, ``recomputed`` backwards (the weights had
     changed since the forward; ``recomputed_stashed``: of those, on the stashed weights the forward used),
-    ``steps`` optimizer steps taken; ``peak_weight_stash_bytes``: the most bytes of weight copies alive
+    ``steps`` optimizer steps taken (``window_steps_deferred``: window changes at which a flushed stage
+    kept accumulating because a graph still awaited its backward; ``window_steps_forced``: steps taken
+    at a window change anyway, after ``MAX_DEFERRED`` such waits); ``peak_weight_stash_bytes``: the most bytes of weight copies alive
     at once (weight stashing). ``times_s``: where a micro-batch's wall time went at this worker, summed
     (``call``: onward calls, request sent to answer decoded; ``serve``: calls served, request decoded to
     answer ready; ``forward`` / ``backward``: compute; ``compute_queue``: waiting for the compute thread).
@@ -57,7 +59,7 @@ class PipelineStats:
 
     KEYS = ("started", "completed", "received", "answered", "refused_busy", "failed_downstream", "sent",
             "failed_calls", "retried", "retried_same", "busy", "recomputed", "recomputed_stashed", "routed_unannounced", "steps",
-            "microbatches_accumulated")
+            "microbatches_accumulated", "window_steps_deferred", "window_steps_forced")
 
     def __init__(self):
         self._lock = threading.Lock()

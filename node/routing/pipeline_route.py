@@ -82,7 +82,7 @@ class NextStage:
         return any(p != self.self_peer and not self.bans.is_banned(p) for p in await self.holders(block, False))
 
     async def send(self, block: int, state: torch.Tensor, targets: torch.Tensor, deadline_s: float,
-                   origin: str = "") -> StageResponse:
+                   origin: str = "", window: int | None = None) -> StageResponse:
         """Carry (state, targets) to a holder of ``block``; its answer, or DownstreamFailed."""
         deadline = time.monotonic() + deadline_s
         tried: set[str] = set()
@@ -106,7 +106,7 @@ class NextStage:
                 self.on_event("routed_unannounced")
             req = StageRequest(block, state, targets, self.mode, self.codec,
                                deadline_s=min(600.0, max(0.1, remaining - ANSWER_MARGIN_S)),
-                               request_id=f"{rid}-{failures}", origin=origin)
+                               request_id=f"{rid}-{failures}", origin=origin, window=window)
             t0 = time.monotonic()
             try:
                 resp = await self.client.call(peer, req, timeout=remaining)

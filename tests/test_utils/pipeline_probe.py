@@ -45,10 +45,10 @@ def install() -> None:
 
     accumulated = E.PipelineEngine._accumulated
 
-    def probe_accumulated(self, samples, loss):
+    def probe_accumulated(self, samples, loss, **kw):
         m = self.trainer.module
         save("grads", {n: p.grad.detach().cpu().clone() for n, p in m.named_parameters() if p.grad is not None})
-        accumulated(self, samples, loss)
+        accumulated(self, samples, loss, **kw)
         m.zero_grad(set_to_none=True)
 
     handle = E.PipelineEngine.handle
