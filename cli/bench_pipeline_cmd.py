@@ -171,3 +171,29 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight,
         emit_json(res)
     else:
         err_console.print(pipeline_table(res))
+
+
+@click.command("pipeline-compare")
+@click.argument("record_a", type=click.Path(exists=True, dir_okay=False))
+@click.argument("record_b", type=click.Path(exists=True, dir_okay=False))
+@click.option("--a", "a_arm", type=click.Choice(["chain", "one_block", "one_block_cpu", "whole"]), default="chain",
+              show_default=True, help="What of RECORD_A to compare: its chain or one of its references.")
+@click.option("--b", "b_arm", type=click.Choice(["chain", "one_block", "one_block_cpu", "whole"]), default="chain",
+              show_default=True, help="What of RECORD_B to compare it with.")
+@click.option("--objective", default="pipeline", show_default=True, help="Whose chain, in records of several.")
+@click.option("--json", "as_json", is_flag=True)
+@friendly
+def bench_pipeline_compare_cmd(record_a, record_b, a_arm, b_arm, objective, as_json):
+    """Two `bench pipeline --record` results, window by window: the mean CE of A minus B over the same
+    held-out windows, with a paired bootstrap 95% interval (records scored on other windows are refused).
+    Each file's last line is used."""
+    from blocktrain.bench.pipeline_compare import compare, load_record
+    res = compare(load_record(record_a), load_record(record_b), a_arm=a_arm, b_arm=b_arm, objective=objective)
+    if as_json:
+        emit_json(res)
+        return
+    d, a, b = res["a_minus_b"], res["a"], res["b"]
+    click.echo(f"A: {a['arm']} of {record_a} ({a['date']}, seed {a['seed']}): CE {a['ce']:.4f}")
+    click.echo(f"B: {b['arm']} of {record_b} ({b['date']}, seed {b['seed']}): CE {b['ce']:.4f}")
+    click.echo(f"A minus B over {d['n_windows']} held-out windows ({res['windows']['protocol']}): "
+               f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}] (paired bootstrap, {d['level']:.0%})")

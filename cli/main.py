@@ -58,7 +58,8 @@ def cli():
     "node-memory": ".bench_resource_cmds:bench_node_memory_cmd", "swarm": ".bench_net_cmds:bench_swarm_cmd",
     "inference": ".bench_net_cmds:bench_inference_cmd", "compression": ".bench_net_cmds:bench_compression_cmd",
     "p2p": ".bench_net_cmds:bench_p2p_cmd", "simulate": ".bench_sim_cmd:bench_simulate_cmd",
-    "pipeline": ".bench_pipeline_cmd:bench_pipeline_cmd"})
+    "pipeline": ".bench_pipeline_cmd:bench_pipeline_cmd",
+    "pipeline-compare": ".bench_pipeline_cmd:bench_pipeline_compare_cmd"})
 def bench():
     """Benchmarks that print a table (and JSON with --json)."""
 
