@@ -52,18 +52,17 @@ def test_an_extra_micro_batch_does_not_shift_a_flushed_holders_steps(tmp_path):
         assert ans["ok"] is True and len(ans["route"]) == 2 and list(got[0].size) == [n, T, D], ans
         k0 = pipe(b0)["steps"]
         wait_for(lambda: pipe(b1)["steps"] >= k0 + 30, 240, "thirty windows after the extra micro-batch")
-        s0, s1, s2 = pipe(b0), pipe(b1), pipe(b2)
-        assert s1["received"] >= 3 * 40 + 1 and s0["completed"] >= 3 * 40
-        assert [s0["recomputed"], s1["recomputed"], s2["recomputed"]] == [0, 0, 0], (s0, s1, s2)
-        assert s1["window_steps_forced"] == 0 and s2["window_steps_forced"] == 0
-        stages = (s0, s1, s2)
+        s0, s1, s2 = stages = pipe(b0), pipe(b1), pipe(b2)
+        seen = " ".join(f"{key}={[x[key] for x in stages]}" for key in s0
+                        if isinstance(s0[key], int) and any(x[key] for x in stages))
+        assert s1["received"] >= 3 * 40 + 1 and s0["completed"] + s0["lost"] >= 3 * 40, seen
+        assert [s0["recomputed"], s1["recomputed"], s2["recomputed"]] == [0, 0, 0], seen
+        assert s1["window_steps_forced"] == 0 and s2["window_steps_forced"] == 0, seen
         for b, s in enumerate(stages):   # one step per window of 3: fewer micro-batches if some were lost; more if
             # a step waited for the extra one's backward (windows merged), if the caller retried one (a cut answer
             # stream is retried on the same holder: a duplicate), and a window still pending
             acc, k, dup = s["microbatches_accumulated"], s["steps"], stages[b - 1]["retried"] if b else 0
-            assert 3 * k - 3 * s0["lost"] <= acc <= 3 * (k + s["window_steps_deferred"]) + 4 + dup, \
-                " ".join(f"{key}={[x[key] for x in stages]}" for key in s0 if isinstance(s[key], int)
-                         and any(x[key] for x in stages))
+            assert 3 * k - 3 * s0["lost"] <= acc <= 3 * (k + s["window_steps_deferred"]) + 4 + dup, (b, seen)
         print(f"\nrecomputed {[s['recomputed'] for s in (s0, s1, s2)]}, steps {[s['steps'] for s in (s0, s1, s2)]}, "
               f"deferred {[s['window_steps_deferred'] for s in (s0, s1, s2)]}, lost {s0['lost']}")
     finally:
