@@ -248,6 +248,8 @@ class _Network:
                 "failed_calls": pipe.get("failed_calls"), "retried_same": pipe.get("retried_same"),
                 "recomputed": pipe.get("recomputed"),
                 "recomputed_stashed": pipe.get("recomputed_stashed"), "lost_by_reason": pipe.get("lost_by_reason"),
+                "window_steps_deferred": pipe.get("window_steps_deferred"),
+                "window_steps_forced": pipe.get("window_steps_forced"),
                 "failed_downstream": pipe.get("failed_downstream"), "routed_unannounced": pipe.get("routed_unannounced"),
                 "peak_weight_stash_bytes": pipe.get("peak_weight_stash_bytes"),
                 "s_per_step": round(seconds / steps, 4) if steps else None,

@@ -130,6 +130,7 @@ def test_no_stale_recompute_with_one_in_flight_or_a_flush(tmp_path, flags):
     if "--flush" in flags:   # one optimizer step per window of 3 micro-batches
         b0 = [w for w in r["workers"] if w["block"] == 0][0]
         assert b0["windows"] == 3 * 4 * b0["steps"] and b0["steps"] > 0
+        assert [w["window_steps_forced"] for w in r["workers"]] == [0, 0]   # recorded per worker
     assert r["serving"] is None and res["settings"]["serving"] is False   # --no-serving: no second network
 
 
