@@ -74,7 +74,9 @@ def test_a_four_process_chain_trains_and_its_ce_falls(tmp_path, objective):
         sent, back = p0["traffic"]["activation_bytes_sent"], p0["traffic"]["gradient_bytes_received"]
         assert sent >= 150 * mb and sent % mb == 0
         if objective == "pipeline":         # a gradient came back for each, but those still in flight (4)
-            assert sent - 4 * mb <= back <= sent and back % mb == 0, (sent, back)
+            #                                 and the sends repeated after a failed call or a busy answer
+            again = p0["retried"] + p0["busy"]
+            assert sent - (4 + again) * mb <= back <= sent and back % mb == 0, (sent, back, again)
         else:   # streamed: no backward traffic
             assert p0["traffic"]["gradient_bytes_received"] == 0 and p1["traffic"]["gradient_bytes_sent"] == 0
         assert p0["stalled_s"] >= 0 and p0["peak_rss_mib"] > 0 and "stalled_s" in p1
