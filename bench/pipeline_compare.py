@@ -13,9 +13,6 @@ from pathlib import Path
 
 from blocktrain.blocks.stats import paired_bootstrap
 
-ARMS = ("chain", "one_block", "one_block_cpu", "whole")   # what a side of the comparison can be
-
-
 def load_record(path: str | Path) -> dict:
     """The last JSON line of a ``--record`` file (the file is appended to, one line per run)."""
     lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()]

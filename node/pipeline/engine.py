@@ -420,8 +420,7 @@ class PipelineEngine:
         if stop.is_set():
             return
         with t.lock:
-            if t.pending_microbatches:
-                self._step()
+            self._step()
         pause = self.duty.pause(time.monotonic() - t0)
         if pause:
             stop.wait(pause)
