@@ -59,9 +59,9 @@ def test_an_extra_micro_batch_does_not_shift_a_flushed_holders_steps(tmp_path):
         assert [s0["recomputed"], s1["recomputed"], s2["recomputed"]] == [0, 0, 0], seen
         assert s1["window_steps_forced"] == 0 and s2["window_steps_forced"] == 0, seen
         for b, s in enumerate(stages):   # one step per window of 3: fewer micro-batches if some were lost; more if
-            # a step waited for the extra one's backward (windows merged), if the caller retried one (a cut answer
-            # stream is retried on the same holder: a duplicate), and a window still pending
-            acc, k, dup = s["microbatches_accumulated"], s["steps"], stages[b - 1]["retried"] if b else 0
+            # a step waited for the extra one's backward (windows merged), if a stage upstream retried one (a cut
+            # answer stream is sent again: a duplicate here and at every stage after), and a window still pending
+            acc, k, dup = s["microbatches_accumulated"], s["steps"], sum(x["retried"] for x in stages[:b])
             assert 3 * k - 3 * s0["lost"] <= acc <= 3 * (k + s["window_steps_deferred"]) + 4 + dup, (b, seen)
         print(f"\nrecomputed {[s['recomputed'] for s in (s0, s1, s2)]}, steps {[s['steps'] for s in (s0, s1, s2)]}, "
               f"deferred {[s['window_steps_deferred'] for s in (s0, s1, s2)]}, lost {s0['lost']}")
