@@ -1,5 +1,9 @@
-"""Two ``bench pipeline --record`` results compared window by window (protocol v2's paired interval
+"""``bench pipeline --record`` results compared window by window (protocol v2's paired interval
 across runs: e.g. the same command before and after an engine fix, on the same held-out windows).
+
+One pair of records (A, B) is one seed; several pairs (e.g. the chain of each seed's run against the
+one-block reference of the same run) give the mean over seeds and windows with a two-level bootstrap
+interval (``blocks.stats.paired_bootstrap``: seeds and windows resampled), and each seed's mean.
 
 A record holds each chain's CE per held-out window (``runs.<objective>.chain_ce_per_window``) and each
 reference's (``references.<name>.per_window``). The windows are a function of the data, the window
@@ -52,18 +56,34 @@ def arm(rec: dict, name: str, objective: str) -> tuple[str, float, list[float]]:
     return label, float(ce), [float(x) for x in per]
 
 
-def compare(a: dict, b: dict, *, a_arm: str = "chain", b_arm: str = "chain", objective: str = "pipeline",
-            n_boot: int = 4000) -> dict:
-    """Mean over the windows of A's arm minus B's arm, with a paired bootstrap 95% interval."""
-    ka, kb = _windows_key(a), _windows_key(b)
-    if ka != kb:
-        diff = {k: (ka[k], kb[k]) for k in ka if ka[k] != kb[k]}
-        raise ValueError(f"the records were not scored on the same held-out windows: {diff}")
-    la, ca, pa = arm(a, a_arm, objective)
-    lb, cb, pb = arm(b, b_arm, objective)
-    if len(pa) != len(pb):
-        raise ValueError(f"{len(pa)} windows against {len(pb)}: not the same windows")
-    d = paired_bootstrap(pa, pb, n_boot=n_boot)
-    return {"a": {"arm": la, "ce": ca, "date": a.get("date"), "seed": a.get("settings", {}).get("seed")},
-            "b": {"arm": lb, "ce": cb, "date": b.get("date"), "seed": b.get("settings", {}).get("seed")},
-            "windows": ka, "a_minus_b": d.to_dict()}
+def compare(a: dict, b: dict, **kw) -> dict:
+    """Mean over the windows of A's arm minus B's arm, with a paired bootstrap 95% interval (one seed)."""
+    return compare_pairs([(a, b)], **kw)
+
+
+def compare_pairs(pairs: list[tuple[dict, dict]], *, a_arm: str = "chain", b_arm: str = "chain",
+                  objective: str = "pipeline", n_boot: int = 4000) -> dict:
+    """Mean of A's arm minus B's arm over every pair (one seed each) and window, with a two-level
+    bootstrap 95% interval; every record must have been scored on the same held-out windows."""
+    if not pairs:
+        raise ValueError("no records to compare")
+    key = _windows_key(pairs[0][0])
+    rows_a, rows_b, out = [], [], []
+    for i, (a, b) in enumerate(pairs):
+        for which, rec in (("A", a), ("B", b)):
+            k = _windows_key(rec)
+            if k != key:
+                diff = {f: (key[f], k[f]) for f in key if key[f] != k[f]}
+                where = f" (pair {i + 1}, {which})" if len(pairs) > 1 else ""
+                raise ValueError(f"the records were not scored on the same held-out windows{where}: {diff}")
+        la, ca, pa = arm(a, a_arm, objective)
+        lb, cb, pb = arm(b, b_arm, objective)
+        if len(pa) != len(pb) or (rows_a and len(pa) != len(rows_a[0])):
+            raise ValueError(f"{len(pa)} windows against {len(pb) if len(pa) != len(pb) else len(rows_a[0])}: "
+                             "not the same windows")
+        rows_a.append(pa)
+        rows_b.append(pb)
+        out.append({"a": {"arm": la, "ce": ca, "date": a.get("date"), "seed": a.get("settings", {}).get("seed")},
+                    "b": {"arm": lb, "ce": cb, "date": b.get("date"), "seed": b.get("settings", {}).get("seed")}})
+    d = paired_bootstrap(rows_a, rows_b, n_boot=n_boot)
+    return {"pairs": out, "windows": key, "a_minus_b": d.to_dict()}

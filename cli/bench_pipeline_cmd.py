@@ -174,26 +174,42 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight,
 
 
 @click.command("pipeline-compare")
-@click.argument("record_a", type=click.Path(exists=True, dir_okay=False))
-@click.argument("record_b", type=click.Path(exists=True, dir_okay=False))
+@click.argument("records", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--a", "a_arm", type=click.Choice(["chain", "one_block", "one_block_cpu", "whole"]), default="chain",
-              show_default=True, help="What of RECORD_A to compare: its chain or one of its references.")
+              show_default=True, help="What of each A record to compare: its chain or one of its references.")
 @click.option("--b", "b_arm", type=click.Choice(["chain", "one_block", "one_block_cpu", "whole"]), default="chain",
-              show_default=True, help="What of RECORD_B to compare it with.")
+              show_default=True, help="What of each B record to compare it with.")
 @click.option("--objective", default="pipeline", show_default=True, help="Whose chain, in records of several.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
-def bench_pipeline_compare_cmd(record_a, record_b, a_arm, b_arm, objective, as_json):
-    """Two `bench pipeline --record` results, window by window: the mean CE of A minus B over the same
-    held-out windows, with a paired bootstrap 95% interval (records scored on other windows are refused).
-    Each file's last line is used."""
-    from blocktrain.bench.pipeline_compare import compare, load_record
-    res = compare(load_record(record_a), load_record(record_b), a_arm=a_arm, b_arm=b_arm, objective=objective)
+def bench_pipeline_compare_cmd(records, a_arm, b_arm, objective, as_json):
+    """`bench pipeline --record` results, window by window: RECORDS are pairs A B (one pair per seed).
+    Prints the mean CE of A minus B over the same held-out windows (and over the pairs' seeds) with a
+    paired bootstrap 95% interval (two-level, seeds and windows, for several pairs) and each pair's
+    mean; records scored on other windows are refused. Each file's last line is used.
+
+    \b
+    Examples:
+      bt-node bench pipeline-compare after.json before.json
+      bt-node bench pipeline-compare s0.json s0.json s1.json s1.json s2.json s2.json --b one_block"""
+    from blocktrain.bench.pipeline_compare import compare_pairs, load_record
+    if len(records) % 2:
+        raise click.UsageError(f"{len(records)} records: give them in pairs A B (one pair per seed)")
+    pairs = [(records[i], records[i + 1]) for i in range(0, len(records), 2)]
+    if len(set(pairs)) != len(pairs):
+        raise click.UsageError("a pair of records is given twice: each pair is one seed, counted once")
+    res = compare_pairs([(load_record(a), load_record(b)) for a, b in pairs],
+                        a_arm=a_arm, b_arm=b_arm, objective=objective)
     if as_json:
         emit_json(res)
         return
-    d, a, b = res["a_minus_b"], res["a"], res["b"]
-    click.echo(f"A: {a['arm']} of {record_a} ({a['date']}, seed {a['seed']}): CE {a['ce']:.4f}")
-    click.echo(f"B: {b['arm']} of {record_b} ({b['date']}, seed {b['seed']}): CE {b['ce']:.4f}")
-    click.echo(f"A minus B over {d['n_windows']} held-out windows ({res['windows']['protocol']}): "
-               f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}] (paired bootstrap, {d['level']:.0%})")
+    d = res["a_minus_b"]
+    for (ra, rb), p, m in zip(pairs, res["pairs"], d["per_seed"]):
+        a, b = p["a"], p["b"]
+        click.echo(f"A: {a['arm']} of {ra} ({a['date']}, seed {a['seed']}): CE {a['ce']:.4f}")
+        click.echo(f"B: {b['arm']} of {rb} ({b['date']}, seed {b['seed']}): CE {b['ce']:.4f}"
+                   + (f"  -> A minus B {m:+.4f}" if len(pairs) > 1 else ""))
+    over = f"{d['n_windows']} held-out windows" + (f" x {d['n_seeds']} pairs" if len(pairs) > 1 else "")
+    how = "two-level paired bootstrap, seeds and windows" if len(pairs) > 1 else "paired bootstrap"
+    click.echo(f"A minus B over {over} ({res['windows']['protocol']}): "
+               f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}] ({how}, {d['level']:.0%})")

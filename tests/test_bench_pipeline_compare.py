@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from blocktrain.bench.pipeline_compare import compare, load_record
+from blocktrain.bench.pipeline_compare import compare, compare_pairs, load_record
 from blocktrain.blocks.stats import paired_bootstrap
 from blocktrain.cli.main import cli
 
@@ -64,3 +64,41 @@ def test_a_file_that_is_not_a_record_is_refused(tmp_path):
         p.write_text(text)
         out = CliRunner().invoke(cli, ["bench", "pipeline-compare", str(p), str(p)])
         assert out.exit_code == 1 and str(p) in out.output and "Traceback" not in out.output, out.output
+
+
+def test_pairs_of_records_are_seeds_of_one_two_level_interval(tmp_path):
+    """Three runs (seeds), each its chain against its own one-block reference: the figure is the mean
+    over seeds and windows, its interval the two-level bootstrap of the (seeds, windows) differences."""
+    rng = np.random.default_rng(1)
+    chains, refs, files = [], [], []
+    for seed, shift in enumerate((0.01, 0.05, -0.02)):
+        ref = rng.normal(1.7, 0.3, 128)
+        chain = ref + shift + rng.normal(0, 0.01, 128)
+        chains.append(chain)
+        refs.append(ref)
+        files.append(write(tmp_path / f"s{seed}.json", record(list(chain), list(ref), seed=seed)))
+    want = paired_bootstrap(np.stack(chains), np.stack(refs)).to_dict()
+    args = [f for f in files for _ in (0, 1)]          # s0 s0 s1 s1 s2 s2
+    res = compare_pairs([(load_record(a), load_record(b)) for a, b in zip(args[::2], args[1::2])],
+                        b_arm="one_block")
+    assert res["a_minus_b"] == want and want["n_seeds"] == 3
+    assert [p["a"]["seed"] for p in res["pairs"]] == [0, 1, 2]
+    assert want["per_seed"] == pytest.approx([0.01, 0.05, -0.02], abs=0.005)
+    # a different seed mix gives a different (wider) interval than any one seed's
+    one = compare(load_record(files[1]), load_record(files[1]), b_arm="one_block")["a_minus_b"]
+    assert one["hi"] - one["lo"] < want["hi"] - want["lo"]
+    out = CliRunner().invoke(cli, ["bench", "pipeline-compare", *args, "--b", "one_block"])
+    assert out.exit_code == 0, out.output
+    assert f"{want['mean']:+.4f} [{want['lo']:+.4f}, {want['hi']:+.4f}]" in out.output
+    assert "x 3 pairs" in out.output and "two-level" in out.output
+
+
+def test_an_odd_count_a_repeated_pair_or_a_pair_on_other_windows_is_refused(tmp_path):
+    chain = [1.7] * 64
+    a = write(tmp_path / "a.json", record(chain, chain))
+    b = write(tmp_path / "b.json", record(chain, chain, seed=2))
+    other = write(tmp_path / "o.json", record([1.7] * 32, [1.7] * 32))
+    for args, code, message in (([a, b, a], 2, "in pairs"), ([a, b, a, b], 2, "given twice"),
+                                ([a, b, other, other], 1, "pair 2")):
+        out = CliRunner().invoke(cli, ["bench", "pipeline-compare", *args])
+        assert out.exit_code == code and message in out.output and "Traceback" not in out.output, out.output
