@@ -68,6 +68,10 @@ def node_options(fn):
         click.option("--rebalance-dwell", type=click.FloatRange(0, 86400), default=600.0, show_default=True,
                      help="Seconds a block is held before the node may move away from it (a rescue of a block "
                           "down to one ready holder does not wait)."),
+        click.option("--announce-ttl", "ttl", type=click.FloatRange(6, 3600), default=30.0, show_default=True,
+                     help="Seconds this node's announcement lives in the DHT; it is refreshed every third of "
+                          "it, and the rebalancing check runs as often. A node that dies unannounced drops "
+                          "out of others' routing within it; shorter means more DHT traffic."),
         click.option("--seed", "sample_seed", type=int, default=0, show_default=True),
         click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
                      help="Write a JSON line with peer id, addresses and ports once serving (for scripts)."),

@@ -39,7 +39,7 @@ class NodeOptions:
     train: bool = True
     train_duty: float = 1.0                    # fraction of wall time the node's own training may use (0, 1]
     seed: int = 0
-    ttl: float = 30.0
+    ttl: float = 30.0                          # --announce-ttl: DHT announcement lifetime, refreshed every ttl/3
     allowed_peers: frozenset[str] | None = None    # private run: only these peer ids may call / average
     run_secret_file: Path | None = None            # private run: secret folded into the averaging prefix
     operator_token_file: Path | None = None        # HTTP operator actions from non-local clients need this token
@@ -92,6 +92,8 @@ class NodeOptions:
                          codec=self.pipeline_compression, timeout_s=self.pipeline_timeout)
         from .loops import DutyCycle   # the duty cycle's check lives with it
         DutyCycle(self.train_duty)
+        if not 6.0 <= self.ttl <= 3600.0:
+            raise ValueError(f"--announce-ttl must be in [6, 3600] seconds, got {self.ttl}")
         if not 0.0 <= self.rebalance_dwell <= 86_400.0:
             raise ValueError(f"--rebalance-dwell must be in [0, 86400] seconds, got {self.rebalance_dwell}")
         if not 0.0 <= self.inject_delay_ms <= 10_000.0:

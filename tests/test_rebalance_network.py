@@ -23,7 +23,8 @@ from test_utils.reliability import MANUAL_AVG, QUIET_TRAINING, TINY, RelSwarm, r
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
 RUN = "rebal"
-MOVERS = ["--rebalance-dwell", "600"]        # checks every TTL/3 = 10 s; only urgent moves within the test
+TTL = ["--announce-ttl", "15"]               # every node: announcements refreshed and rebalancing checked every 5 s
+MOVERS = ["--rebalance-dwell", "600"]        # only urgent moves within the test
 PINNED = ["--no-rebalance"]
 
 
@@ -43,7 +44,7 @@ def _generate_until(client, stop: threading.Event, results: list) -> None:
 
 def test_surplus_node_moves_to_needier_block_and_bad_state_is_refused(tmp_path):
     sw = RelSwarm(tmp_path, run_id=RUN, overrides=TINY, data=str(TEST_CORPUS),
-                  extra_args=["--device", "cpu", *MANUAL_AVG, *QUIET_TRAINING])
+                  extra_args=["--device", "cpu", *TTL, *MANUAL_AVG, *QUIET_TRAINING])
     client, gen_stop, gen = None, threading.Event(), None
     results: list = []
     try:
@@ -58,12 +59,12 @@ def test_surplus_node_moves_to_needier_block_and_bad_state_is_refused(tmp_path):
         def refused():
             return [r for n in movers for r in _status(n)["self"]["rebalance"]["refused"]]
         got = wait_for(refused, 240, "a refused move")
-        time.sleep(30)      # without a back-off each mover would retry every 10 s check
+        time.sleep(16)      # without a back-off each mover would retry at every 5 s check
         got = refused()
         for n in movers:
             at = sorted(r["at"] for r in _status(n)["self"]["rebalance"]["refused"])
             gaps = [b - a for a, b in zip(at, at[1:])]
-            assert all(g >= 50 for g in gaps), gaps   # RETRY_PERIODS (6) x 10 s, less the move's own time
+            assert all(g >= 20 for g in gaps), gaps   # RETRY_PERIODS (6) x 5 s, less the move's own time
         assert all(n.alive for n in [*movers, bad])
         assert [_status(n)["self"]["block"] for n in movers] == [0, 0, 0]
         errors = [e for n in movers for e in _status(n)["errors"]]
@@ -83,7 +84,7 @@ def test_surplus_node_moves_to_needier_block_and_bad_state_is_refused(tmp_path):
         assert st["state"] == "online" and st["downloaded_state"]
 
         # 3. balanced 2/2: nobody moves any more (hysteresis), the announcements say so
-        time.sleep(35)
+        time.sleep(18)      # 3 checks and more
         blocks = [_status(n)["self"]["block"] for n in movers]
         moves = [len(_status(n)["self"]["rebalance"]["moves"]) for n in movers]
         holders = client.holders()

@@ -454,6 +454,7 @@ BAD_FLAGS = [
     ["seed", "--run-id", "r", "--average-every", "0"],
     ["seed", "--run-id", "r", "--checkpoint-every", "abc"],
     ["seed", "--run-id", "r", "--device", "tpu"],
+    ["seed", "--run-id", "r", "--announce-ttl", "3"],       # refreshed every 1 s: below the floor
     ["seed", "--no-such-flag"],
     ["seed"],                                              # --run-id missing
     ["join"],                                              # --initial-peers missing
