@@ -11,6 +11,9 @@ import subprocess
 import sys
 
 import pytest
+from click.testing import CliRunner
+
+from blocktrain.cli.main import cli
 
 from test_utils.configs import TEST_CORPUS
 
@@ -139,6 +142,8 @@ def test_bad_input_is_one_clear_line():
         (["--upstream-every", "3"], 2, "v1"),
         (["--protocol", "v1", "--seeds", "0,1"], 2, "v2 only"),
     ):
-        r = bt("--data", data, "--preset", "tiny", *args)
-        assert r.returncode == code, (args, r.stderr)
-        assert words in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
+        r = CliRunner().invoke(cli, ["bench", "quality", "--data", data, "--preset", "tiny", *args])
+        assert r.exit_code == code, (args, r.output)
+        assert words in r.output and "Traceback" not in r.output, (args, r.output)
+    r = bt("--data", data, "--preset", "tiny", "--arms", "paper,nope")    # and the same from a real process
+    assert r.returncode == 1 and "unknown arm" in r.stderr and "Traceback" not in r.stderr, r.stderr
