@@ -303,8 +303,8 @@ def _load_chains(cfg: ModelConfig, workers: list[dict]) -> list[list[torch.nn.Mo
     by_block: dict[int, list[torch.nn.Module]] = {}
     for w in workers:
         if not (Path(w["ckpt"]) / ckpt.block_filename(w["block"])).exists():
-            raise RuntimeError(f"{w['name']} (block {w['block']}) left no final checkpoint: it did not exit within "
-                               f"{STOP_GRACE_S:.0f} s of SIGTERM and was killed")
+            raise RuntimeError(f"{w['name']} (block {w['block']}) left no final checkpoint in {w['ckpt']} (its "
+                               f"node.log beside it says why; it had {STOP_GRACE_S:.0f} s to leave after SIGTERM)")
         c = ckpt.load_block(Path(w["ckpt"]) / ckpt.block_filename(w["block"]), expected_config_hash=cfg.config_hash,
                             expected_block=w["block"])
         m = obj.build_block(w["block"])

@@ -90,7 +90,8 @@ class Teardown:
         self.errors: list[str] = []
         self.timings: list[tuple[str, float]] = []
 
-    def push(self, name: str, stop: Callable[[], None], budget: float = 5.0) -> None:
+    def push(self, name: str, stop: Callable[[], None], budget: float | Callable[[], float] = 5.0) -> None:
+        """``budget``: seconds, or a function giving them when the step's turn comes."""
         with self._lock:
             self._items.append((name, stop, budget))
 
@@ -102,6 +103,8 @@ class Teardown:
                 if not self._items:
                     return
                 name, stop, budget = self._items.pop()
+            if callable(budget):
+                budget = float(budget())
             if deadline is not None:
                 budget = max(self.min_step, min(budget, deadline - (time.monotonic() - t_start)))
             t0 = time.monotonic()

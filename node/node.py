@@ -23,6 +23,7 @@ import logging
 import math
 import threading
 import time
+from typing import Callable
 
 from blocktrain.blocks.windows import eval_windows, text_windows
 from blocktrain.blocks.default_data import AUTO, resolve_default
@@ -59,6 +60,10 @@ log = logging.getLogger(__name__)
 SOFTWARE_VERSION = "blocktrain/0.1.0"
 PROTOCOL_VERSION = 1
 STOP_DEADLINE = 7.0   # seconds for the graceful stop; steps still to go then get 0.2 s each (exit < 10 s)
+LOOP_STOP_S = 3.0               # a loop's time to end when the node stops
+FINAL_CHECKPOINT_S = 4.0        # the final checkpoint's budget for a block whose step and save are quick;
+FINAL_CHECKPOINT_MAX_S = 120.0  # a slower one gets twice its longest recent step and save, at most this
+SAVE_BYTES_PER_S = 50e6         # a first save's time, estimated before one was timed (weights and AdamW state)
 
 
 def _finite_or_none(x: float | None) -> float | None:
@@ -86,6 +91,7 @@ class Node:
         self.downloaded: dict | None = None
         self.late_join: dict | None = None        # how the late join's download went: via, seconds, MB
         self.checkpoints_written = 0
+        self.last_save_s: float | None = None   # how long the last checkpoint took to write
         self.chain_ce_history: list[tuple[float, float]] = []
         self.route_bans = PeerBans()          # holders whose hops failed
         self.ranking = HolderRanking()        # what this node measured of other peers
@@ -148,8 +154,9 @@ class Node:
             self.http.start()
             td.push("http", self.http.stop, budget=2.0)
         td.push("announcements", lambda: self.discovery.stop_announcing(withdraw=True, timeout=2.5), budget=3.0)
-        td.push("final checkpoint", self._final_checkpoint, budget=4.0)
-        self._start_loop("train", self._train if self.pipeline is None else self.pipeline.run)
+        td.push("final checkpoint", self._final_checkpoint, budget=self.final_checkpoint_budget)
+        self._start_loop("train", self._train if self.pipeline is None else self.pipeline.run,
+                         budget=self.train_loop_budget)
         self._start_loop("average", self._average)
         if self.upstream is not None and self.block_index > 0:
             self._start_loop("upstream", lambda stop: self.upstream.run(stop, self.refresh_upstream))
@@ -171,10 +178,11 @@ class Node:
             old.shutdown()
         _asked("the averager process", self.averager.shutdown())
 
-    def _start_loop(self, name: str, body) -> None:
+    def _start_loop(self, name: str, body, budget: float | Callable[[], float] = LOOP_STOP_S) -> None:
         loop = Loop(name, body, on_crash=self._crashed).start()
         self.loops.append(loop)
-        self.teardown.push(f"{name} loop", lambda: loop.stop(timeout=3.0), budget=3.0)
+        seconds = budget if callable(budget) else (lambda: budget)
+        self.teardown.push(f"{name} loop", lambda: loop.stop(timeout=seconds()), budget=seconds)
 
     def _crashed(self, name: str, e: BaseException) -> None:
         self._error(f"{type(e).__name__}: {e}")
@@ -422,8 +430,29 @@ class Node:
                 log.info("held-out evaluation skipped: %s", e)
 
     def save_checkpoint(self) -> None:
+        t0 = time.monotonic()
         self.trainer.save(self.opts.checkpoint_dir)
+        self.last_save_s = time.monotonic() - t0
         self.checkpoints_written += 1
+
+    def train_loop_budget(self) -> float:
+        """Seconds the stop waits for the train loop: 3, or the step in progress if steps are slower."""
+        if self.trainer is None:
+            return LOOP_STOP_S
+        return min(FINAL_CHECKPOINT_MAX_S, max(LOOP_STOP_S, 1.5 * self.trainer.lock.longest_recent_hold() + 1.0))
+
+    def final_checkpoint_budget(self) -> float:
+        """Seconds the stop gives its final checkpoint: it waits for the step in progress (the trainer's
+        lock), then writes the block and its AdamW state. 4 s unless this block's recent steps or
+        saves were slower; then twice those (at most 2 minutes), so that a big block's stop does not
+        abandon its checkpoint (a second Ctrl-C still exits at once)."""
+        if self.trainer is None:
+            return FINAL_CHECKPOINT_S
+        save = self.last_save_s
+        if save is None:
+            save = 3 * state_bytes(self.trainer.module) / SAVE_BYTES_PER_S
+        need = 2.0 * (self.trainer.lock.longest_recent_hold() + save) + 1.0
+        return min(FINAL_CHECKPOINT_MAX_S, max(FINAL_CHECKPOINT_S, need))
 
     def _final_checkpoint(self) -> None:
         if self._checkpoint_ok:
@@ -478,7 +507,13 @@ class Node:
         self._avg_wakeup.set()
         if self.averager is not None:
             self.averager.cancel_event.set()
-        self.teardown.close(deadline=deadline)
+        if self.pipeline is not None:   # no new micro-batches: callers retry them elsewhere
+            self.pipeline.leave()
+        extra = (self.train_loop_budget() - LOOP_STOP_S) + (self.final_checkpoint_budget() - FINAL_CHECKPOINT_S)
+        if extra > 0:
+            log.warning("stopping waits for the training step in progress, then writes the final checkpoint: "
+                        "up to %.0f s more than usual (signal again to exit at once)", extra)
+        self.teardown.close(deadline=deadline + max(0.0, extra))
         self.errors.extend(self.teardown.errors)
         self.state = "stopped"
 

@@ -33,6 +33,44 @@ from blocktrain.blocks.objectives import get_objective
 from blocktrain.blocks.train import lr_at, make_optimizer, optimizer_step
 
 
+class HoldTimedLock:
+    """The trainer's re-entrant lock, remembering how long its last outermost holds took: a training
+    step (or a pipeline forward or backward) runs under it, so a checkpoint asked for now may first
+    wait about that long (the node's stop sizes its final checkpoint's budget by it)."""
+
+    def __init__(self, keep: int = 32):
+        self._lock = threading.RLock()
+        self._depth = 0                 # changed only by the holding thread
+        self._since = 0.0
+        self._holds: deque[float] = deque(maxlen=keep)
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        ok = self._lock.acquire(blocking, timeout)
+        if ok:
+            self._depth += 1
+            if self._depth == 1:
+                self._since = time.monotonic()
+        return ok
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._holds.append(time.monotonic() - self._since)
+        self._lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def longest_recent_hold(self) -> float:
+        """Seconds of the longest of the last holds (the one in progress counted as far as it got)."""
+        held = list(self._holds)
+        if self._depth:   # a racy read of another thread's hold: good enough for a budget
+            held.append(time.monotonic() - self._since)
+        return max(held, default=0.0)
+
+
 class UpstreamNotReady(RuntimeError):
     """Block b's objective needs snapshots of blocks < b that this worker has not fetched yet."""
 
@@ -52,7 +90,7 @@ class BlockTrainer:
         self._hop = self.objective.make_hop(self.module, block_index)
         self.check_windows = eval_windows(check_data, cfg.seq_len, check_windows).to(self.device)
         self.upstream = upstream      # UpstreamSnapshots of blocks < b, or None
-        self.lock = threading.RLock()
+        self.lock = HoldTimedLock()
         self.step = 0
         self.samples_seen = 0
         self.samples_since_average = 0

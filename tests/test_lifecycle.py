@@ -379,3 +379,41 @@ def test_joiner_is_announced_joining_while_it_downloads_then_online(anchor, read
     finally:
         ns.teardown.close(deadline=10)
         disc.shutdown(withdraw=False)
+
+
+FAULTY = Path(__file__).parent / "test_utils" / "faulty_node.py"
+
+
+def test_a_slow_training_step_still_ends_in_a_final_checkpoint(anchor, tmp_path):
+    """A block whose training step takes longer than the stop's usual budgets (12 s here, as a big
+    block's step on a slow machine; the train loop gets 3 s and the final checkpoint 4 s) still leaves
+    its final checkpoint on SIGTERM: the stop waits for the step in progress, then saves. (It used to
+    abandon the checkpoint after 4 s: a node with a big block lost everything since its last periodic
+    checkpoint on every graceful stop.)"""
+    args = ["seed", "--run-id", "lc-slow", *SETS, "--block", "0", "--initial-peers", anchor["maddrs"][0],
+            "--data", str(TEST_CORPUS), "--http-port", "0", "--checkpoint-every", "1000000", "--device", "cpu",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--ready-file", str(tmp_path / "ready.json"), "--quiet"]
+    cmd = Command(["slow_step", *args], tmp_path / "log", prog=[sys.executable, str(FAULTY)])
+    procs: list = []
+    try:
+        info = _ready(cmd, tmp_path / "ready.json")
+        procs.extend(cmd.tree())
+        port = info["http_port"]
+        step = wait_for(lambda: _status(port)["self"]["step"] >= 2 and _status(port)["self"]["step"], 120,
+                        "a slow training step done (the next one then under way)")
+        t0 = time.monotonic()
+        cmd.send(signal.SIGTERM, group=False)
+        rc = cmd.wait(90)
+        took = time.monotonic() - t0
+        out = cmd.output()
+        stop_line = next((ln for ln in out.splitlines() if "left the run in" in ln), "")
+        report("node_slow_step_stop", rc=rc, exit_s=round(took, 2), stop_line=stop_line)
+        assert rc == 0, out[-3000:]
+        ckpt = tmp_path / "ckpt" / block_filename(info["block"])
+        assert ckpt.exists(), out[-3000:]
+        assert load_block(ckpt).step >= step
+        assert stop_line and "problems" not in stop_line, stop_line   # nothing abandoned
+        assert took < 60, took   # one slow step and a save, not the launcher's last resort
+        assert not wait_gone(procs, EXIT_BOUND_S), describe(procs)
+    finally:
+        kill_all(cmd, procs)

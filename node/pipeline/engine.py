@@ -122,6 +122,7 @@ class PipelineEngine:
         self._owed_lock = threading.Lock()
         self.traffic = traffic or PipelineTraffic()   # bytes: counted by the wire (client and server side)
         self.accepting = False          # set by the node once it is online (after a late join)
+        self.refusal = "this holder is not training yet (still joining)"   # why, while not accepting
         self._held = 0                  # micro-batches this stage holds (loop thread only)
         self._starved = False           # block 0 found no holder of block 1: the driver waits a while
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bt-pipe-compute")
@@ -285,7 +286,7 @@ class PipelineEngine:
         """The TrainHandler of ``p2p.pipeline_rpc``: raises HopRequestError (busy, downstream, ...)."""
         if not self.accepting:
             self.stats.add("refused_busy")
-            raise HopRequestError("busy", "this holder is not training yet (still joining)")
+            raise HopRequestError("busy", self.refusal)
         if self._held >= self.settings.max_stash:
             self.stats.add("refused_busy")
             raise HopRequestError("busy", f"this stage holds {self._held} micro-batches, its limit")
@@ -360,7 +361,7 @@ class PipelineEngine:
 
     def run(self, stop: threading.Event) -> None:
         """The node's train loop body: block 0 drives micro-batches; other blocks only serve."""
-        self.accepting = True
+        self.accepting = not stop.is_set()
         if self.b != 0:
             stop.wait()
             return
@@ -434,6 +435,11 @@ class PipelineEngine:
                              "weight_stash": s.weight_stash, "flush": s.flush},
                 **self.stats.snapshot(), "traffic": self.traffic.snapshot()}
 
-    def close(self) -> None:
+    def leave(self) -> None:
+        """The node is stopping: refuse new micro-batches (``busy``: their senders try another holder)."""
+        self.refusal = "this holder is leaving"
         self.accepting = False
+
+    def close(self) -> None:
+        self.leave()
         self._compute.shutdown(wait=False, cancel_futures=True)

@@ -27,7 +27,8 @@ import httpx
 from blocktrain.blocks.config import ModelConfig
 from blocktrain.p2p.process import parent_death_preexec
 
-STOP_TIMEOUT = 12.0   # seconds a node gets to leave after SIGTERM (it needs under 10) before SIGKILL
+STOP_TIMEOUT = 130.0  # seconds a node gets to leave after SIGTERM before SIGKILL: it needs under 10, or, for a
+#                      block whose step or save is slow, up to 2 minutes for its final checkpoint (node.py)
 _started: "set[ManagedProcess]" = set()   # every child started here (pruned once it has exited)
 
 

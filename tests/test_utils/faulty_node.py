@@ -1,15 +1,18 @@
 """A real ``bt-node`` whose every hop answer (or block state) is poisoned, the way a buggy or
 hostile holder answers.
 
-    python tests/test_utils/faulty_node.py nan_hops|inf_hops|shape_hops|nan_state join --initial-peers ...
+    python tests/test_utils/faulty_node.py nan_hops|inf_hops|shape_hops|nan_state|slow_step join --initial-peers ...
 
 The fault wraps the node's hop handler from the test side (the server-side hop adapter the node
 hands to its RPC server), or for ``nan_state`` the block state its RPC serves (what late joiners
-and rebalancing movers download; its hops stay honest); the product itself has no fault knob.
+and rebalancing movers download; its hops stay honest); ``slow_step`` is not hostile: every local
+training step after the first takes ``SLOW_STEP_S`` seconds longer, under the trainer's lock, as a
+big block's step on a slow machine does. The product itself has no fault knob.
 """
 from __future__ import annotations
 
 import sys
+import time
 
 import torch
 
@@ -44,12 +47,31 @@ def nan_state(served_state):
     return bad
 
 
+SLOW_STEP_S = 12.0
+
+
+def slow_steps(optimizer_step):
+    """Wrap ``optimizer_step`` (called under the trainer's lock) so that every step after the first
+    sleeps ``SLOW_STEP_S`` seconds."""
+    calls = [0]
+
+    def slow(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > 1:
+            time.sleep(SLOW_STEP_S)
+        return optimizer_step(*args, **kwargs)
+    return slow
+
+
 def main(argv: list[str]) -> None:
-    if not argv or argv[0] not in (*FAULTS, "nan_state"):
-        sys.exit(f"usage: faulty_node.py {{{','.join(FAULTS)},nan_state}} BT-NODE-ARGS...")
+    if not argv or argv[0] not in (*FAULTS, "nan_state", "slow_step"):
+        sys.exit(f"usage: faulty_node.py {{{','.join(FAULTS)},nan_state,slow_step}} BT-NODE-ARGS...")
     from blocktrain.cli.main import main as bt_node
     from blocktrain.node import node as node_module
-    if argv[0] == "nan_state":
+    if argv[0] == "slow_step":
+        from blocktrain.node import trainer
+        trainer.optimizer_step = slow_steps(trainer.optimizer_step)
+    elif argv[0] == "nan_state":
         from blocktrain.node.trainer import BlockTrainer
         BlockTrainer.served_state = nan_state(BlockTrainer.served_state)
     else:

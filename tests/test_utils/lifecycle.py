@@ -28,7 +28,8 @@ class Command:
     """One ``bt-node`` process in its own session; with ``tty`` its stdin/stdout/stderr are a
     pseudo-terminal whose controlling process group it leads (as in a terminal window)."""
 
-    def __init__(self, args: list[str], log: Path, *, tty: bool = False, env: dict | None = None):
+    def __init__(self, args: list[str], log: Path, *, tty: bool = False, env: dict | None = None,
+                 prog: list[str] | None = None):
         self.log = Path(log)
         self.tty = tty
         self._buf = bytearray()
@@ -37,14 +38,14 @@ class Command:
         if tty:
             master, slave = pty.openpty()
             fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
-            self.proc = subprocess.Popen([*BT_NODE, *args], stdin=slave, stdout=slave, stderr=slave, env=env,
+            self.proc = subprocess.Popen([*(prog or BT_NODE), *args], stdin=slave, stdout=slave, stderr=slave, env=env,
                                          start_new_session=True, preexec_fn=_take_terminal)
             os.close(slave)
             self._master = master
             threading.Thread(target=self._drain, daemon=True).start()
         else:
             with open(self.log, "wb") as f:
-                self.proc = subprocess.Popen([*BT_NODE, *args], stdin=subprocess.DEVNULL, stdout=f,
+                self.proc = subprocess.Popen([*(prog or BT_NODE), *args], stdin=subprocess.DEVNULL, stdout=f,
                                              stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.pid = self.proc.pid
 
