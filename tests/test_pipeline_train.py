@@ -102,7 +102,10 @@ def test_a_killed_middle_holder_costs_only_its_microbatches_and_a_joiner_is_used
         s0 = pipe(n["b0"])
         k0 = step(n["b3"])
         kill9(a)
-        wait_for(lambda: step(n["b3"]) >= k0 + 80, 240, "training going on through the replica")
+        # block 0 counts a micro-batch completed when its gradient is back, after the last block's step:
+        # wait for both (block 0 can be up to its 4 in flight behind block 3)
+        wait_for(lambda: step(n["b3"]) >= k0 + 80 and pipe(n["b0"])["completed"] >= s0["completed"] + 80, 240,
+                 "training going on through the replica")
         s1 = pipe(n["b0"])
         hit = (s1["lost"] - s0["lost"]) + (s1["retried"] - s0["retried"])
         assert s1["failed_calls"] > s0["failed_calls"] and hit > 0, (s0, s1)
