@@ -78,9 +78,9 @@ def compare_pairs(pairs: list[tuple[dict, dict]], *, a_arm: str = "chain", b_arm
                 raise ValueError(f"the records were not scored on the same held-out windows{where}: {diff}")
         la, ca, pa = arm(a, a_arm, objective)
         lb, cb, pb = arm(b, b_arm, objective)
-        if len(pa) != len(pb) or (rows_a and len(pa) != len(rows_a[0])):
-            raise ValueError(f"{len(pa)} windows against {len(pb) if len(pa) != len(pb) else len(rows_a[0])}: "
-                             "not the same windows")
+        counts = {len(pa), len(pb), *(len(r) for r in rows_a[:1])}
+        if len(counts) > 1:
+            raise ValueError(f"per-window CEs of {sorted(counts)} windows: not the same windows")
         rows_a.append(pa)
         rows_b.append(pb)
         out.append({"a": {"arm": la, "ce": ca, "date": a.get("date"), "seed": a.get("settings", {}).get("seed")},

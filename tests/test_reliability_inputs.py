@@ -475,6 +475,8 @@ def test_bad_node_flags_exit_2_with_usage():
         r = runner.invoke(cli, args)
         assert r.exit_code == 2, (args, r.exit_code, r.output)
         assert "Usage:" in r.output and "Error:" in r.output, (args, r.output)
+    r = runner.invoke(cli, ["seed", "--run-id", "r", "--announce-ttl", "3"])   # the flag exists; its range is said
+    assert "--announce-ttl" in r.output and "6<=x<=3600" in r.output, r.output
     r = _cli("seed", "--run-id", "r", "--port", "99999")   # and the same from a real process
     assert r.returncode == 2 and "Usage:" in r.stderr and "--port" in r.stderr
 
