@@ -30,6 +30,7 @@ from blocktrain.blocks.config import ModelConfig
 from blocktrain.blocks.windows import eval_windows
 from blocktrain.blocks.objectives import get_objective
 from blocktrain.p2p.averager import COMPRESSIONS, make_compression, patch_8bit_decoder
+from blocktrain.p2p.offline_wire import butterfly_average
 from blocktrain.bench.swarm import FULL_CONFIG, TINY_CONFIG
 from blocktrain.blocks.default_data import resolve_default
 from blocktrain.node.swarm.run import typed_settings
@@ -63,40 +64,6 @@ class CompressionBenchSettings:
         bad = [c for c in self.compressions if c not in COMPRESSIONS]
         if bad:
             raise ValueError(f"unknown compression {bad[0]!r}: use {', '.join(COMPRESSIONS)}")
-
-
-def codec_round_trip(codec, tensor: torch.Tensor) -> torch.Tensor:
-    """What a peer receives when ``tensor`` is sent with hivemind ``codec`` (encode, then decode)."""
-    from hivemind.compression import CompressionInfo
-    return codec.extract(codec.compress(tensor, CompressionInfo.from_tensor(tensor))).to(tensor.dtype)
-
-
-def butterfly_average(replicas: list[list[torch.Tensor]], codec) -> list[list[torch.Tensor]]:
-    """Each replica's result of one equal-weight all-reduce of its tensors, as hivemind 1.1.12 runs it.
-
-    hivemind's ``TensorPartContainer`` cuts the concatenated tensors into parts (~512 KiB of encoded
-    values each) and gives each of the g peers a contiguous range to reduce. For a part reduced by
-    peer j: every other peer r sends its copy encoded, j averages them with its own exact copy, and
-    sends r back the DELTA ``average - (what r sent, as decoded)``, encoded; r adds it to its own
-    copy. So j ends with the exact average and the others with the average up to two codec errors."""
-    from hivemind.averaging.partition import TensorPartContainer
-    g = len(replicas)
-    flats = [[t.detach().float() for t in tensors] for tensors in replicas]
-    parts = [[TensorPartContainer(f, [1.0] * g, compression=codec).get_raw_input_parts(j) for j in range(g)]
-             for f in flats]                                           # parts[r][j][i]: r's copy of j's part i
-    out_flat: list[list[torch.Tensor]] = [[] for _ in range(g)]
-    for j in range(g):
-        for i in range(len(parts[j][j])):
-            sent = [parts[r][j][i] if r == j else codec_round_trip(codec, parts[r][j][i]) for r in range(g)]
-            average = torch.stack(sent).mean(0)
-            for r in range(g):
-                out_flat[r].append(average if r == j else parts[r][j][i] + codec_round_trip(codec, average - sent[r]))
-    out = []
-    for r in range(g):
-        flat = torch.cat(out_flat[r])
-        sizes = [t.numel() for t in replicas[r]]
-        out.append([x.view_as(t).to(t.dtype) for x, t in zip(flat.split(sizes), replicas[r])])
-    return out
 
 
 def _train_network(cfg: ModelConfig, s: CompressionBenchSettings, split, compression: str | None) -> list[BlockTrainer]:

@@ -14,34 +14,9 @@ import argparse
 import time
 
 import torch
-from hivemind.proto import runtime_pb2
 
-from blocktrain.p2p.hops import decode_meta
-from blocktrain.p2p.pipeline_wire import (
-    PipelineLimits, StageRequest, StageResponse, decode_request, decode_response, request_message, response_message,
-)
-from blocktrain.p2p.tensors import DEFAULT_CHUNK_BYTES, TensorAssembler, split_parts
-
-
-def one_call(h: torch.Tensor, y: torch.Tensor, codec: str, lim: PipelineLimits) -> None:
-    req = StageRequest(1, h, y, "backprop", codec, deadline_s=30.0, request_id="r", origin="")
-    meta, pbs, _, _ = request_message(req)
-    parts = [part for pb in pbs for part in split_parts(pb, DEFAULT_CHUNK_BYTES)]
-    wire = [runtime_pb2.ExpertRequest(metadata=meta if i == 0 else b"", tensors=[p]).SerializeToString()
-            for i, p in enumerate(parts)]
-    got = [runtime_pb2.ExpertRequest.FromString(w) for w in wire]
-    asm = TensorAssembler(lim.max_request_bytes, max_tensors=3, what="request")
-    for m in got:
-        for part in m.tensors:
-            asm.feed(part)
-    decode_request(decode_meta(got[0].metadata, "request"), asm.finish(), 1, lim)
-    meta2, pbs2, _ = response_message(StageResponse("r", h, 1.0, {1: 1.0}, ["peer"]), codec)
-    answer = runtime_pb2.ExpertResponse.FromString(
-        runtime_pb2.ExpertResponse(metadata=meta2, tensors=pbs2).SerializeToString())
-    asm2 = TensorAssembler(lim.max_request_bytes, max_tensors=2, what="answer")
-    for part in answer.tensors:
-        asm2.feed(part)
-    decode_response(decode_meta(answer.metadata, "answer"), asm2.finish(), req, lim)
+from blocktrain.p2p.offline_wire import pipeline_call_round_trip
+from blocktrain.p2p.pipeline_wire import PipelineLimits
 
 
 def main() -> None:
@@ -57,10 +32,10 @@ def main() -> None:
                          max_seq=a.seq, d_model=a.d_model, vocab_size=256)
     h, y = torch.randn(a.batch, a.seq, a.d_model), torch.randint(0, 256, (a.batch, a.seq))
     for _ in range(5):
-        one_call(h, y, a.codec, lim)
+        pipeline_call_round_trip(h, y, a.codec, lim)
     c0, w0 = time.process_time(), time.perf_counter()
     for _ in range(a.calls):
-        one_call(h, y, a.codec, lim)
+        pipeline_call_round_trip(h, y, a.codec, lim)
     cpu, wall = (time.process_time() - c0) / a.calls, (time.perf_counter() - w0) / a.calls
     print(f"{a.codec} state {tuple(h.shape)} ({h.numel() * 4 / 1e3:.0f} KB as fp32), one call both ways: "
           f"{cpu * 1e3:.2f} ms CPU, {wall * 1e3:.2f} ms wall (mean of {a.calls})")

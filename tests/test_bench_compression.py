@@ -15,7 +15,7 @@ import torch
 pytest.importorskip("hivemind")
 
 from blocktrain.p2p.averager import make_compression, patch_8bit_decoder  # noqa: E402
-from blocktrain.bench.compression import butterfly_average, codec_round_trip  # noqa: E402
+from blocktrain.p2p.offline_wire import butterfly_average, codec_round_trip  # noqa: E402
 
 from test_utils.configs import TEST_CORPUS, TEST_CORPUS_PROTOCOL  # noqa: E402
 
