@@ -107,6 +107,8 @@ class PipelineBenchSettings:
     serving: bool = True            # measure each objective's serving cost (a second network per objective)
     preset: str = "cpu"
     seed: int = 0                   # every worker's --seed (data order) and init_seed; the references' too
+    lrs: dict[str, float] = field(default_factory=dict)   # peak lr per arm (objective, "whole", "one_block")
+    train_windows: int = 256        # windows of the TRAINING bytes every chain and reference is also scored on
 
     @classmethod
     def tiny(cls) -> "PipelineBenchSettings":
@@ -132,6 +134,18 @@ class PipelineBenchSettings:
                              f"--gen-bytes is {self.gen_bytes}")
         for o in self.objectives:
             get_objective(cfg.replace(objective=o))   # a clear error for an unknown name
+        unknown = sorted(set(self.lrs) - set(self.arms()))
+        if unknown or not all(v > 0 for v in self.lrs.values()):
+            raise ValueError(f"a learning rate per arm: arms are {', '.join(self.arms())}, got "
+                             f"{', '.join(f'{k}={v:g}' for k, v in self.lrs.items())}")
+        if self.train_windows < 0:
+            raise ValueError("--train-windows must be >= 0")
+
+    def arms(self) -> list[str]:
+        """Everything this run trains, each with its own learning rate: the objectives' networks, then the
+        references (``one_block`` is one process, scored at the CPU budget and after the wall time)."""
+        return [*self.objectives, *(["whole"] if self.references and self.whole_reference else []),
+                *(["one_block"] if self.references else [])]
 
 
 def _peak_rss_mib(pid: int) -> float | None:
@@ -153,7 +167,8 @@ class _Network:
 
     def __init__(self, objective: str, s: PipelineBenchSettings, base: Path, data_used: str):
         self.objective, self.s, self.base = objective, s, base / _slug(objective)
-        self.sets = [*s.overrides, f"objective={objective}", *([f"init_seed={s.seed}"] if s.seed else [])]
+        self.sets = [*s.overrides, f"objective={objective}", *([f"init_seed={s.seed}"] if s.seed else []),
+                     *([f"lr={s.lrs[objective]!r}"] if objective in s.lrs else [])]
         self.cfg = ModelConfig.from_dict(typed_settings(self.sets), source="bench pipeline config")
         extra = ["--device", s.device, "--seed", str(s.seed), "--average-every", str(s.average_every), "--checkpoint-every", str(10**9),
                  "--pipeline-inflight", str(s.inflight), "--pipeline-compression", s.compression,
@@ -364,6 +379,7 @@ def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
     base = Path(workdir or tempfile.mkdtemp(prefix="bt-bench-pipeline-"))
     split, data_used = resolve_default(s.data, base_cfg.seq_len, base)
     windows = eval_windows(split.eval, base_cfg.seq_len, s.eval_windows)
+    train_w = eval_windows(split.train, base_cfg.seq_len, s.train_windows) if s.train_windows else None
     prompt = bytes(windows[0, :16].tolist())
     t_start, runs = time.time(), {}
     try:
@@ -381,6 +397,9 @@ def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
             per_window = np.mean([per_window_chain_ce(obj, c, windows, k=2)[0] for c in chains], axis=0)
             r.update(chain_ce=sum(ces) / len(ces), chain_ce_by_replica=ces, chain_ce_init=ce_init,
                      ce_kind=obj.ce_kind, chain_ce_per_window=[round(float(x), 6) for x in per_window])
+            if train_w is not None:   # protocol v2: train CE beside held-out CE (how far each arm overfits)
+                tr = [obj.score(obj.local_hops(c), train_w, k=2, generator=g().manual_seed(0)).ce for c in chains]
+                r["chain_ce_train"] = sum(tr) / len(tr)
             _score_curve(obj, cfg, r["curve"], windows[:s.curve_windows])
             if s.curve_every > 0:   # the end of the curve: the final chains, on the curve's windows
                 end = [obj.score(obj.local_hops(c), windows[:s.curve_windows], k=2, generator=g().manual_seed(0)).ce
@@ -399,12 +418,14 @@ def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
                                       base / f"serve-{_slug(name)}", data_used, prompt)
                 say(f"{name}: {r['serving']['traversals']} traversals, {r['serving']['latency_s']:.2f}s")
             runs[name] = r
-        refs = _references(s, base_cfg, data_used, windows, runs, say) if s.references else {}
+        refs = _references(s, base_cfg, data_used, windows, runs, say, train_w) if s.references else {}
     finally:
         if own_dir:
             shutil.rmtree(base, ignore_errors=True)
     shared = {k: v for k, v in base_cfg.to_dict().items() if k != "objective"}   # each run's own: runs[o]["config"]
     return {"bench": "pipeline", "protocol": split.protocol, "data": data_used, "config": shared,
+            "lr_by_arm": {a: s.lrs.get(a, base_cfg.lr) for a in s.arms()},
+            "train_windows": 0 if train_w is None else len(train_w),
             "settings": asdict(s), "ln256": math.log(256), "runs": runs, "references": refs, "seconds": round(time.time() - t_start, 1),
             "method": ("equal wall time per objective from the moment all workers are up; chain CE offline from the "
                        "workers' final checkpoints on the same held-out windows, mean over replica chains; tokens/s: "
@@ -414,7 +435,7 @@ def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
 
 
 def _references(s: PipelineBenchSettings, cfg: ModelConfig, data_used: str, windows: torch.Tensor, runs: dict,
-                say: Callable[[str], None]) -> dict:
+                say: Callable[[str], None], train_w: torch.Tensor | None = None) -> dict:
     """Whole-size model end to end at the ``pipeline`` network's tokens (else the first run's); one-block model
     alone, scored at the CPU-seconds one of that network's workers used (mean), at its curve points, and (with
     ``wall_reference``) after the same wall time. Each in a fresh one-thread process (``bench/pipeline_refs.py``)."""
@@ -427,12 +448,14 @@ def _references(s: PipelineBenchSettings, cfg: ModelConfig, data_used: str, wind
         + (f" and {s.train_s:.0f}s of wall time" if s.wall_reference else ""))
     refs = {}
     if s.whole_reference:
-        refs["whole"] = train_reference(cfg.to_dict(), data_used, cfg.reference_layers, windows, windows_n=n,
-                                        device=s.device, seed=s.seed)
+        refs["whole"] = train_reference({**cfg.to_dict(), "lr": s.lrs.get("whole", cfg.lr)}, data_used,
+                                        cfg.reference_layers, windows, windows_n=n, device=s.device, seed=s.seed,
+                                        train_w=train_w)
         refs["whole"]["tokens_matched_to"] = src
-    one = train_reference(cfg.to_dict(), data_used, cfg.layers_per_block, windows,
-                          seconds=s.train_s if s.wall_reference else None, cpu_seconds=spread["mean"], marks=marks,
-                          curve_w=windows[:s.curve_windows], device=s.device, seed=s.seed)
+    one = train_reference({**cfg.to_dict(), "lr": s.lrs.get("one_block", cfg.lr)}, data_used, cfg.layers_per_block,
+                          windows, seconds=s.train_s if s.wall_reference else None, cpu_seconds=spread["mean"],
+                          marks=marks, curve_w=windows[:s.curve_windows], device=s.device, seed=s.seed,
+                          train_w=train_w)
     at = one.pop("at_cpu")
     same_cpu = {**at, "params": one["params"], "n_layers": one["n_layers"], "peak_rss_mib": one["peak_rss_mib"],
                 "cpu_matched_to": src, "worker_cpu_s": spread, "curve": one.pop("curve")}

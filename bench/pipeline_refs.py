@@ -38,7 +38,7 @@ def _rss_kib(field: str) -> int:
 
 def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: float | None, windows_n: int | None,
            cpu_seconds: float | None, marks: list[float], eval_w: torch.Tensor, curve_w: torch.Tensor | None,
-           device: str, seed: int) -> None:
+           device: str, seed: int, train_w: torch.Tensor | None = None) -> None:
     watch_parent(parent, lambda: os._exit(1))   # the bench SIGKILLed: leave at once (multiprocessing cannot see it)
     try:
         torch.set_num_threads(1)
@@ -79,6 +79,8 @@ def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: fl
             res = {"ce": evaluate_reference(model, w.to(dev))}
             if per_window:
                 res["per_window"] = [round(float(x), 6) for x in per_window_reference_ce(model, w.to(dev))]
+                if train_w is not None:   # the headline readings: also CE on windows of the training bytes
+                    res["ce_train"] = evaluate_reference(model, train_w.to(dev))
             model.train()
             off_wall += time.time() - tw
             off_cpu += time.process_time() - tc
@@ -102,6 +104,7 @@ def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: fl
         end = at_wall or (snapshot(eval_w) if windows_n is not None or at_cpu is None else at_cpu)
         hwm = _rss_kib("VmHWM")
         q.put({"ce": end["ce"], "per_window": end["per_window"], "steps": end["steps"], "tokens": end["tokens"],
+               **({"ce_train": end["ce_train"]} if "ce_train" in end else {}),
                "train_wall_s": round(end["wall_s"], 1), "train_cpu_s": round(end["cpu_s"], 1), "at_cpu": at_cpu,
                "curve": curve, "n_layers": n_layers, "params": sum(p.numel() for p in model.parameters()),
                "peak_rss_mib": hwm / 1024, "training_state_rss_mib": (hwm - rss0) / 1024})
@@ -112,18 +115,19 @@ def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: fl
 def train_reference(cfg_dict: dict, data: str, n_layers: int, eval_w: torch.Tensor, *,
                     seconds: float | None = None, windows_n: int | None = None, cpu_seconds: float | None = None,
                     marks: list[float] = (), curve_w: torch.Tensor | None = None, device: str = "cpu",
-                    seed: int = 0, timeout: float = 3600.0) -> dict:
+                    seed: int = 0, timeout: float = 3600.0, train_w: torch.Tensor | None = None) -> dict:
     """Train one reference in a fresh process until every budget given is spent: ``seconds`` of training
     wall time, ``windows_n`` windows, ``cpu_seconds`` of its own process CPU time; scored on ``eval_w`` when
     each is reached (``ce``, ``steps``, ``train_wall_s``: at ``seconds`` if given, else at ``windows_n``, else
     at ``cpu_seconds``; ``at_cpu``: at ``cpu_seconds``), and on ``curve_w`` (else ``eval_w``) at each
-    CPU-seconds mark of ``marks`` (``curve``). Scoring is off both clocks."""
+    CPU-seconds mark of ``marks`` (``curve``); with ``train_w`` each headline reading also carries ``ce_train``
+    (CE on windows of the training bytes). Scoring is off both clocks."""
     if seconds is None and windows_n is None and cpu_seconds is None:
         raise ValueError("a reference needs a budget: seconds, windows or CPU seconds")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(q, os.getpid(), cfg_dict, data, n_layers, seconds, windows_n, cpu_seconds,
-                                                  list(marks), eval_w, curve_w, device, seed),
+                                                  list(marks), eval_w, curve_w, device, seed, train_w),
                     daemon=True)
     p.start()
     try:

@@ -15,7 +15,8 @@ def pipeline_table(res: dict) -> Table:
     s = res["settings"]
     t = Table(title=f"bench pipeline: {len(s['plan'])} workers (blocks {s['plan']}), {s['train_s']:g}s of training "
                     f"per objective; chain CE on {s['eval_windows']} held-out windows")
-    for col in ("objective", "chain CE", "untrained", "tokens/s", "CPU-s/worker (min-max)", "MB sent",
+    lrs = res.get("lr_by_arm", {})
+    for col in ("objective", "chain CE", "train CE", "lr", "untrained", "tokens/s", "CPU-s/worker (min-max)", "MB sent",
                 "KB/worker/step", "peak MiB", "stalled s", "lost / done", f"serve {s['gen_bytes']} B: traversals",
                 "serve s", "chain minus ref [95%]"):
         t.add_column(col, justify="right" if col != "objective" else "left")
@@ -23,7 +24,7 @@ def pipeline_table(res: dict) -> Table:
         sv = r["serving"] or {"traversals": "-", "latency_s": None}
         c = r.get("cpu_s_per_worker") or {}
         cpu = f"{c['mean']:.0f} ({c['min']:.0f}-{c['max']:.0f})" if c else "-"
-        t.add_row(name, _f(r["chain_ce"]), _f(r["chain_ce_init"]), _f(r["tokens_per_s"], ".0f"), cpu,
+        t.add_row(name, _f(r["chain_ce"]), _f(r.get("chain_ce_train")), _f(lrs.get(name), "g"), _f(r["chain_ce_init"]), _f(r["tokens_per_s"], ".0f"), cpu,
                   _mb(r["bytes_sent_total"]), _f((r["bytes_sent_per_worker_per_step"] or 0) / 1e3, ".1f"),
                   _f(r["peak_rss_mib_max"], ".0f"), _f(r["stalled_s_total"], ".1f"),
                   f"{r['microbatches_lost']} / {r['microbatches_completed']}", str(sv["traversals"]),
@@ -37,12 +38,43 @@ def pipeline_table(res: dict) -> Table:
             wall = ref["wall_s"] if key == "one_block_cpu" else ref["train_wall_s"]
             d = ref.get("chain_minus")
             vs = f"{d['mean']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]" if d else ""
-            t.add_row(label, _f(ref["ce"]), "", _f(ref["tokens"] / max(wall, 1e-9), ".0f"), _f(cpu, ".0f"), "0", "0",
+            arm = "whole" if key == "whole" else "one_block"
+            t.add_row(label, _f(ref["ce"]), _f(ref.get("ce_train")), _f(lrs.get(arm), "g"), "", _f(ref["tokens"] / max(wall, 1e-9), ".0f"), _f(cpu, ".0f"), "0", "0",
                       _f(ref["peak_rss_mib"], ".0f"), "", f"{ref['steps']} steps", "", "", vs)
-    t.caption = (f"protocol {res['protocol']}; serving at {s['delay_ms']:g} ms one-way per hop; chain minus ref: the "
+    sweep = res.get("lr_sweep")
+    chosen = (f"; lr per arm chosen on {sweep['validation']} from {sweep['grid']} (validation CE: "
+              + "; ".join(f"{lr}: " + ", ".join(f"{a} {ce:.4f}" for a, ce in row.items())
+                          for lr, row in sweep["validation_ce"].items()) + ")") if sweep else ""
+    t.caption = (f"protocol {res['protocol']}{chosen}; train CE: on {res.get('train_windows', 0)} windows of the "
+                 f"training bytes; serving at {s['delay_ms']:g} ms one-way per hop; chain minus ref: the "
                  f"mean over the held-out windows of the chain's CE minus the reference's, paired bootstrap 95% "
                  f"interval over windows (one seed). {res['method']}.")
     return t
+
+
+def _lr_items(items: tuple[str, ...]) -> dict[str, float]:
+    out = {}
+    for item in items:
+        arm, _, value = item.partition("=")
+        try:
+            lr = float(value)
+        except ValueError:
+            lr = -1.0
+        if not arm.strip() or not lr > 0 or lr != lr or lr == float("inf"):
+            raise click.BadParameter(f"expected ARM=RATE with a positive rate, got {item!r}", param_hint="--lr")
+        out[arm.strip()] = lr
+    return out
+
+
+def _lr_grid(text: str) -> tuple[float, ...]:
+    try:
+        grid = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        grid = ()
+    if len(set(grid)) < 2 or not all(0 < lr < float("inf") for lr in grid):
+        raise click.BadParameter(f"expected two or more distinct positive rates like 1e-3,2e-3,4e-3, got {text!r}",
+                                 param_hint="--lr-grid")
+    return grid
 
 
 @click.command("pipeline")
@@ -93,13 +125,30 @@ def pipeline_table(res: dict) -> Table:
                                             "none stale; the workers' recomputed counts check it).")
 @click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True,
               help="Every worker's --seed (data order) and init_seed; the references' too (a second seed of a run).")
+@click.option("--lr", "lr_items", multiple=True, metavar="ARM=RATE",
+              help="Peak learning rate of one arm (repeatable): an objective, whole or one_block, e.g. "
+                   "--lr pipeline=4e-3 (default: the config's lr for every arm). Not swept by --lr-sweep.")
+@click.option("--lr-sweep", is_flag=True,
+              help="Protocol v2: first run the whole bench once per rate of --lr-grid on the training bytes without "
+                   "their last books, choose each arm's rate by its CE on those books, then run at the chosen rates "
+                   "(the test windows never inform the choice; about 1 + grid size times as long).")
+@click.option("--lr-grid", default="1e-3,2e-3,4e-3", show_default=True, help="The rates --lr-sweep tries.")
+@click.option("--sweep-fraction", type=click.FloatRange(0.001, 0.4), default=0.025, show_default=True,
+              help="--lr-sweep: at least this fraction of the training bytes is carved off as validation (whole "
+                   "books where the corpus lists them).")
+@click.option("--sweep-windows", type=click.IntRange(1, 65536), default=512, show_default=True,
+              help="--lr-sweep: validation windows each arm is scored on.")
+@click.option("--train-windows", type=click.IntRange(0, 65536), default=None,
+              help="Windows of the training bytes every chain and reference is also scored on (train CE beside "
+                   "held-out CE; default 256; 0: none).")
 @click.option("--plan", "plan_only", is_flag=True, help="Print the preset's planned wall time and exit.")
 @click.option("--json", "as_json", is_flag=True)
 @friendly
 def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight, gen_bytes, delay_ms, eval_windows, overrides, data, plot,
                        record, workdir, preset, tiny, device, no_references, no_serving, no_wall_reference, no_whole_reference,
                        curve_every,
-                       weight_stash, flush, seed, plan_only, as_json):
+                       weight_stash, flush, seed, lr_items, lr_sweep, lr_grid, sweep_fraction, sweep_windows,
+                       train_windows, plan_only, as_json):
     """pipeline and forward-streamed vs paper: real node processes, the same wall time each.
 
     \b
@@ -137,8 +186,11 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight,
     s.flush = flush
     s.overrides += list(overrides)
     s.data = data
+    s.lrs = _lr_items(lr_items)
+    grid = _lr_grid(lr_grid)
     for name, v in (("train_s", train_seconds), ("compression", compression), ("gen_bytes", gen_bytes),
-                    ("delay_ms", delay_ms), ("eval_windows", eval_windows), ("inflight", inflight)):
+                    ("delay_ms", delay_ms), ("eval_windows", eval_windows), ("inflight", inflight),
+                    ("train_windows", train_windows)):
         if v is not None:
             setattr(s, name, v)
     if objectives:
@@ -163,7 +215,12 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight,
     def _stop(signum, _frame):   # SIGTERM (timeout, kill): unwind, so every network's finally stops its nodes
         raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, _stop)
-    res = run_bench_pipeline(s, workdir=workdir, on_progress=_say(as_json))
+    if lr_sweep:
+        from blocktrain.bench.pipeline_lr import run_lr_sweep
+        res = run_lr_sweep(s, grid=grid, fraction=sweep_fraction, windows=sweep_windows, workdir=workdir,
+                           on_progress=_say(as_json))
+    else:
+        res = run_bench_pipeline(s, workdir=workdir, on_progress=_say(as_json))
     if plot:
         res["plot"] = str(plot_pipeline(res, plot))
     _record(record, res)
