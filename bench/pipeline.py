@@ -109,6 +109,7 @@ class PipelineBenchSettings:
     seed: int = 0                   # every worker's --seed (data order) and init_seed; the references' too
     lrs: dict[str, float] = field(default_factory=dict)   # peak lr per arm (objective, "whole", "one_block")
     train_windows: int = 256        # windows of the TRAINING bytes every chain and reference is also scored on
+    lr_schedule: str = "constant"   # "cosine": every arm decays to a tenth of its peak over its own budget
 
     @classmethod
     def tiny(cls) -> "PipelineBenchSettings":
@@ -140,6 +141,8 @@ class PipelineBenchSettings:
                              f"{', '.join(f'{k}={v:g}' for k, v in self.lrs.items())}")
         if self.train_windows < 0:
             raise ValueError("--train-windows must be >= 0")
+        if self.lr_schedule not in ("constant", "cosine"):
+            raise ValueError(f"--lr-schedule must be constant or cosine, got {self.lr_schedule!r}")
 
     def arms(self) -> list[str]:
         """Everything this run trains, each with its own learning rate: the objectives' networks, then the
@@ -175,6 +178,8 @@ class _Network:
                  "--pipeline-weight-stash" if s.weight_stash else "--no-pipeline-weight-stash"]
         if s.flush:
             extra += ["--pipeline-flush", "--pipeline-accumulate", str(s.inflight)]
+        if s.lr_schedule == "cosine":   # each worker decays over the bench's wall time, from its first step
+            extra += ["--lr-decay-seconds", repr(float(s.train_s))]
         self.swarm = LocalSwarm(self.base, run_id=f"bench-{_slug(objective)}", overrides=self.sets, data=data_used,
                                 extra_args=extra)
         self.order = sorted(range(len(s.plan)), key=lambda i: -s.plan[i])   # workers, highest block first
@@ -251,7 +256,7 @@ class _Network:
             t1, t0 = pipe.get("times_s") or {}, pipe0.get("times_s") or {}
             sent = int(m.get("pipeline_wire_bytes_sent_total", 0) + st["averaging"].get("bytes_sent", 0))
             workers.append({
-                "name": nd.name, "block": b, "steps": steps,
+                "name": nd.name, "block": b, "steps": steps, "lr_last": st["self"].get("lr"),
                 "windows": st["self"]["samples_seen"] - st0["self"]["samples_seen"],
                 "tokens": (st["self"]["samples_seen"] - st0["self"]["samples_seen"]) * T,
                 "bytes_sent": sent, "bytes_sent_per_step": sent / steps if steps else None,
@@ -447,21 +452,30 @@ def _references(s: PipelineBenchSettings, cfg: ModelConfig, data_used: str, wind
         + f"one-block model to {spread['mean']:.0f} CPU-s (one {src} worker's mean)"
         + (f" and {s.train_s:.0f}s of wall time" if s.wall_reference else ""))
     refs = {}
+    sched = s.lr_schedule
     if s.whole_reference:
         refs["whole"] = train_reference({**cfg.to_dict(), "lr": s.lrs.get("whole", cfg.lr)}, data_used,
                                         cfg.reference_layers, windows, windows_n=n, device=s.device, seed=s.seed,
-                                        train_w=train_w)
+                                        train_w=train_w, schedule=sched)
         refs["whole"]["tokens_matched_to"] = src
-    one = train_reference({**cfg.to_dict(), "lr": s.lrs.get("one_block", cfg.lr)}, data_used, cfg.layers_per_block,
-                          windows, seconds=s.train_s if s.wall_reference else None, cpu_seconds=spread["mean"],
-                          marks=marks, curve_w=windows[:s.curve_windows], device=s.device, seed=s.seed,
-                          train_w=train_w)
+    one_cfg = {**cfg.to_dict(), "lr": s.lrs.get("one_block", cfg.lr)}
+    both = s.wall_reference and sched == "constant"   # one process read twice; a decay needs one per budget
+    one = train_reference(one_cfg, data_used, cfg.layers_per_block, windows,
+                          seconds=s.train_s if both else None, cpu_seconds=spread["mean"], marks=marks,
+                          curve_w=windows[:s.curve_windows], device=s.device, seed=s.seed, train_w=train_w,
+                          schedule=sched)
     at = one.pop("at_cpu")
     same_cpu = {**at, "params": one["params"], "n_layers": one["n_layers"], "peak_rss_mib": one["peak_rss_mib"],
-                "cpu_matched_to": src, "worker_cpu_s": spread, "curve": one.pop("curve")}
+                "cpu_matched_to": src, "worker_cpu_s": spread, "curve": one.pop("curve"),
+                "lr_schedule": one["lr_schedule"], "lr_last": one["lr_last"]}   # cosine: its budget's last step
     refs["one_block_cpu"] = same_cpu
-    if s.wall_reference:
+    if both:
         refs["one_block"] = one
+    elif s.wall_reference:   # cosine: a second process, decaying over the wall time
+        refs["one_block"] = train_reference(one_cfg, data_used, cfg.layers_per_block, windows, seconds=s.train_s,
+                                            device=s.device, seed=s.seed, train_w=train_w, schedule=sched)
+        refs["one_block"].pop("at_cpu")
+        refs["one_block"].pop("curve")
     chain = runs[src].get("chain_ce_per_window")
     for ref in refs.values():   # the chain minus each reference, window by window
         if chain and len(chain) >= 2:   # the same windows: paired_bootstrap refuses arrays of unequal length
@@ -491,6 +505,7 @@ def plan_seconds(s: PipelineBenchSettings) -> dict:
                                        else s.gen_bytes) + 1
         serve = STARTUP_S + trav * cfg.n_blocks * 2 * s.delay_ms / 1000 if s.serving else 0.0
         per[o] = STARTUP_S + s.train_s + SCORE_S + serve
-    refs = ((s.train_s if s.wall_reference else s.train_s / 2) + 2 * SCORE_S
-            + (s.train_s if s.whole_reference else 0.0)) if s.references else 0.0
+    two = s.wall_reference and s.lr_schedule == "cosine"   # the one-block reference: one process per budget
+    refs = ((s.train_s if s.wall_reference else s.train_s / 2) + (s.train_s / 2 + SCORE_S if two else 0.0)
+            + 2 * SCORE_S + (s.train_s if s.whole_reference else 0.0)) if s.references else 0.0
     return {"per_objective_s": per, "references_s": refs, "total_s": sum(per.values()) + refs}

@@ -12,8 +12,9 @@ windows, which the choice never saw. Serving and the curve are skipped in the sw
 The one-block reference is one process scored twice (at one worker's CPU budget and after the same
 wall time): it is chosen by its headline reading (after the wall time; at the CPU budget with
 ``--no-wall-reference``), and both readings share its rate. An arm given ``--lr ARM=RATE`` keeps that
-rate and is not swept. The schedule is the network's: linear warm-up, then constant (a node's budget
-is open-ended); the sweep chooses the peak rate for this wall time.
+rate and is not swept. The schedule is ``--lr-schedule``'s for every run of the sweep and the final
+one (default: warm-up then constant, as a volunteer node trains; ``cosine``: every arm decays over its
+own budget); the sweep chooses the peak rate for this wall time.
 """
 from __future__ import annotations
 

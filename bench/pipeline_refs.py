@@ -38,7 +38,7 @@ def _rss_kib(field: str) -> int:
 
 def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: float | None, windows_n: int | None,
            cpu_seconds: float | None, marks: list[float], eval_w: torch.Tensor, curve_w: torch.Tensor | None,
-           device: str, seed: int, train_w: torch.Tensor | None = None) -> None:
+           device: str, seed: int, train_w: torch.Tensor | None = None, schedule: str = "constant") -> None:
     watch_parent(parent, lambda: os._exit(1))   # the bench SIGKILLed: leave at once (multiprocessing cannot see it)
     try:
         torch.set_num_threads(1)
@@ -46,7 +46,7 @@ def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: fl
         from blocktrain.blocks.data import resolve_data
         from blocktrain.blocks.evaluate import evaluate_reference, per_window_reference_ce
         from blocktrain.blocks.reference import ReferenceLM
-        from blocktrain.blocks.train import make_optimizer, optimizer_step, reference_loss_fn
+        from blocktrain.blocks.train import LrSchedule, make_optimizer, optimizer_step, reference_loss_fn
         from blocktrain.blocks.windows import WindowSampler
 
         cfg = ModelConfig.from_dict(cfg_dict, source="bench pipeline reference")
@@ -62,6 +62,17 @@ def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: fl
         wall = lambda: time.time() - t0 - off_wall            # noqa: E731
         cpu = lambda: time.process_time() - c0 - off_cpu      # noqa: E731
         pending = sorted(m for m in marks if m > 0)
+        sched = LrSchedule(cfg.lr, cfg.warmup_steps, schedule)
+        lr = None   # the last step's rate
+
+        def progress() -> float:
+            """The fraction of this process's budget spent (a cosine decays over it): the wall time if
+            given, else the windows, else the CPU time."""
+            if seconds is not None:
+                return wall() / seconds
+            if windows_n is not None:
+                return steps * cfg.batch_size / windows_n
+            return cpu() / cpu_seconds
         curve, at_cpu, at_wall = [], None, None
 
         def snapshot(w: torch.Tensor, per_window: bool = True) -> dict:
@@ -98,7 +109,8 @@ def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: fl
                     and (cpu_seconds is None or at_cpu is not None) and not pending):
                 break
             w = sampler.next_batch(cfg.batch_size).to(dev)
-            optimizer_step(model, opt, cfg, steps, reference_loss_fn(model, w))
+            lr = sched.at(steps, progress())
+            optimizer_step(model, opt, cfg, steps, reference_loss_fn(model, w), lr=lr)
             steps += 1
         # the headline: at the wall-time budget if given, else the windows budget (the end), else the CPU budget
         end = at_wall or (snapshot(eval_w) if windows_n is not None or at_cpu is None else at_cpu)
@@ -106,6 +118,7 @@ def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: fl
         q.put({"ce": end["ce"], "per_window": end["per_window"], "steps": end["steps"], "tokens": end["tokens"],
                **({"ce_train": end["ce_train"]} if "ce_train" in end else {}),
                "train_wall_s": round(end["wall_s"], 1), "train_cpu_s": round(end["cpu_s"], 1), "at_cpu": at_cpu,
+               "lr_schedule": schedule, "lr_last": lr,
                "curve": curve, "n_layers": n_layers, "params": sum(p.numel() for p in model.parameters()),
                "peak_rss_mib": hwm / 1024, "training_state_rss_mib": (hwm - rss0) / 1024})
     except BaseException as e:   # noqa: BLE001 (reported to the parent, which raises it)
@@ -115,19 +128,22 @@ def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: fl
 def train_reference(cfg_dict: dict, data: str, n_layers: int, eval_w: torch.Tensor, *,
                     seconds: float | None = None, windows_n: int | None = None, cpu_seconds: float | None = None,
                     marks: list[float] = (), curve_w: torch.Tensor | None = None, device: str = "cpu",
-                    seed: int = 0, timeout: float = 3600.0, train_w: torch.Tensor | None = None) -> dict:
+                    seed: int = 0, timeout: float = 3600.0, train_w: torch.Tensor | None = None,
+                    schedule: str = "constant") -> dict:
     """Train one reference in a fresh process until every budget given is spent: ``seconds`` of training
     wall time, ``windows_n`` windows, ``cpu_seconds`` of its own process CPU time; scored on ``eval_w`` when
     each is reached (``ce``, ``steps``, ``train_wall_s``: at ``seconds`` if given, else at ``windows_n``, else
     at ``cpu_seconds``; ``at_cpu``: at ``cpu_seconds``), and on ``curve_w`` (else ``eval_w``) at each
     CPU-seconds mark of ``marks`` (``curve``); with ``train_w`` each headline reading also carries ``ce_train``
-    (CE on windows of the training bytes). Scoring is off both clocks."""
+    (CE on windows of the training bytes). ``schedule``: ``constant`` after warm-up, or ``cosine`` to a tenth
+    of the peak over the budget (the wall time if given, else the windows, else the CPU time; ``lr_last``: the
+    last step's rate). Scoring is off both clocks."""
     if seconds is None and windows_n is None and cpu_seconds is None:
         raise ValueError("a reference needs a budget: seconds, windows or CPU seconds")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_child, args=(q, os.getpid(), cfg_dict, data, n_layers, seconds, windows_n, cpu_seconds,
-                                                  list(marks), eval_w, curve_w, device, seed, train_w),
+                                                  list(marks), eval_w, curve_w, device, seed, train_w, schedule),
                     daemon=True)
     p.start()
     try:

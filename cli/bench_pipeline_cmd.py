@@ -45,7 +45,7 @@ def pipeline_table(res: dict) -> Table:
     chosen = (f"; lr per arm chosen on {sweep['validation']} from {sweep['grid']} (validation CE: "
               + "; ".join(f"{lr}: " + ", ".join(f"{a} {ce:.4f}" for a, ce in row.items())
                           for lr, row in sweep["validation_ce"].items()) + ")") if sweep else ""
-    t.caption = (f"protocol {res['protocol']}{chosen}; train CE: on {res.get('train_windows', 0)} windows of the "
+    t.caption = (f"protocol {res['protocol']}{chosen}; lr schedule {s.get('lr_schedule', 'constant')}; train CE: on {res.get('train_windows', 0)} windows of the "
                  f"training bytes; serving at {s['delay_ms']:g} ms one-way per hop; chain minus ref: the "
                  f"mean over the held-out windows of the chain's CE minus the reference's, paired bootstrap 95% "
                  f"interval over windows (one seed). {res['method']}.")
@@ -138,6 +138,11 @@ def _lr_grid(text: str) -> tuple[float, ...]:
                    "books where the corpus lists them).")
 @click.option("--sweep-windows", type=click.IntRange(1, 65536), default=512, show_default=True,
               help="--lr-sweep: validation windows each arm is scored on.")
+@click.option("--lr-schedule", type=click.Choice(["constant", "cosine"]), default="constant", show_default=True,
+              help="constant: warm-up then constant, as a volunteer node trains; cosine: every arm decays to a tenth "
+                   "of its peak over its own budget (workers: --lr-decay-seconds = --train-seconds from their "
+                   "first step; the one-block reference: one process per budget, wall and CPU; the whole-size "
+                   "one: its windows).")
 @click.option("--train-windows", type=click.IntRange(0, 65536), default=None,
               help="Windows of the training bytes every chain and reference is also scored on (train CE beside "
                    "held-out CE; default 256; 0: none).")
@@ -148,7 +153,7 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight,
                        record, workdir, preset, tiny, device, no_references, no_serving, no_wall_reference, no_whole_reference,
                        curve_every,
                        weight_stash, flush, seed, lr_items, lr_sweep, lr_grid, sweep_fraction, sweep_windows,
-                       train_windows, plan_only, as_json):
+                       lr_schedule, train_windows, plan_only, as_json):
     """pipeline and forward-streamed vs paper: real node processes, the same wall time each.
 
     \b
@@ -187,6 +192,7 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight,
     s.overrides += list(overrides)
     s.data = data
     s.lrs = _lr_items(lr_items)
+    s.lr_schedule = lr_schedule
     grid = _lr_grid(lr_grid)
     for name, v in (("train_s", train_seconds), ("compression", compression), ("gen_bytes", gen_bytes),
                     ("delay_ms", delay_ms), ("eval_windows", eval_windows), ("inflight", inflight),

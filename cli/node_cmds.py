@@ -72,6 +72,10 @@ def node_options(fn):
                      help="Seconds this node's announcement lives in the DHT; it is refreshed every third of "
                           "it, and the rebalancing check runs as often. A node that dies unannounced drops "
                           "out of others' routing within it; shorter means more DHT traffic."),
+        click.option("--lr-decay-seconds", type=click.FloatRange(1, 1e7), default=None,
+                     help="A budgeted run (benchmarks): decay the learning rate by a cosine to a tenth of its "
+                          "peak over this many seconds of this node's training, from its first step. Default: "
+                          "warm-up then constant (a volunteer run has no end)."),
         click.option("--seed", "sample_seed", type=int, default=0, show_default=True),
         click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
                      help="Write a JSON line with peer id, addresses and ports once serving (for scripts)."),

@@ -243,7 +243,7 @@ class Node:
         o = self.opts
         worker = int(hashlib.sha256(self.peer_id.encode()).hexdigest()[:8], 16)
         return BlockTrainer(self.cfg, b, self.split.train, self.split.eval, device=pick_device(o.device),
-                            seed=o.seed, worker_id=worker, upstream=self.upstream)
+                            seed=o.seed, worker_id=worker, upstream=self.upstream, lr_decay_s=o.lr_decay_seconds)
 
     def new_averager(self, trainer: BlockTrainer, *, share: bool = True) -> BlockAverager:
         """The averager of ``trainer``'s block; it offers the block's state to downloaders only if

@@ -40,6 +40,7 @@ class NodeOptions:
     train_duty: float = 1.0                    # fraction of wall time the node's own training may use (0, 1]
     seed: int = 0
     ttl: float = 30.0                          # --announce-ttl: DHT announcement lifetime, refreshed every ttl/3
+    lr_decay_seconds: float | None = None      # --lr-decay-seconds: cosine decay over this much training (benchmarks)
     allowed_peers: frozenset[str] | None = None    # private run: only these peer ids may call / average
     run_secret_file: Path | None = None            # private run: secret folded into the averaging prefix
     operator_token_file: Path | None = None        # HTTP operator actions from non-local clients need this token
@@ -92,6 +93,8 @@ class NodeOptions:
                          codec=self.pipeline_compression, timeout_s=self.pipeline_timeout)
         from .loops import DutyCycle   # the duty cycle's check lives with it
         DutyCycle(self.train_duty)
+        if self.lr_decay_seconds is not None and not 1.0 <= self.lr_decay_seconds <= 10_000_000.0:
+            raise ValueError(f"--lr-decay-seconds must be in [1, 1e7] seconds, got {self.lr_decay_seconds}")
         if not 6.0 <= self.ttl <= 3600.0:
             raise ValueError(f"--announce-ttl must be in [6, 3600] seconds, got {self.ttl}")
         if not 0.0 <= self.rebalance_dwell <= 86_400.0:

@@ -65,7 +65,7 @@ def build_status(node) -> NodeStatus:
              "generate": node.generate_limits()},
         self={"peer_id": node.peer_id, "block": node.block_index, "state": node.state, "step": t.step,
               "samples_seen": t.samples_seen, "throughput": t.throughput(), "loss": t.recent_loss(),
-              "maddrs": node.discovery.visible_maddrs(), "uptime_s": time.time() - node.started_at,
+              "lr": t.last_lr, "maddrs": node.discovery.visible_maddrs(), "uptime_s": time.time() - node.started_at,
               "resumed": node.resumed, "downloaded_state": node.downloaded is not None, "late_join": node.late_join,
               "http_port": node.http.port if node.http is not None else None,
               "reachability": node.reach.state,

@@ -30,7 +30,7 @@ from blocktrain.blocks.chain import HopRequest, HopResult
 from blocktrain.blocks.config import ModelConfig
 from blocktrain.blocks.windows import WindowSampler, eval_windows
 from blocktrain.blocks.objectives import get_objective
-from blocktrain.blocks.train import lr_at, make_optimizer, optimizer_step
+from blocktrain.blocks.train import LrSchedule, lr_at, make_optimizer, optimizer_step
 
 
 class HoldTimedLock:
@@ -78,8 +78,14 @@ class UpstreamNotReady(RuntimeError):
 class BlockTrainer:
     def __init__(self, cfg: ModelConfig, block_index: int, train_data, check_data, *,
                  device: torch.device | str = "cpu", seed: int = 0, worker_id: int = 0,
-                 check_windows: int = 4, upstream=None):
+                 check_windows: int = 4, upstream=None, lr_decay_s: float | None = None, clock=time.monotonic):
         self.cfg, self.block_index = cfg, block_index
+        if lr_decay_s is not None and not 0 < lr_decay_s < float("inf"):
+            raise ValueError(f"lr_decay_s must be a positive number of seconds, got {lr_decay_s!r}")
+        self.lr_decay_s = lr_decay_s  # None: warm-up then constant (open-ended); else cosine over these seconds
+        self._clock = clock
+        self._first_step_at: float | None = None
+        self.last_lr: float | None = None   # the rate of the last optimizer step (status)
         self.device = torch.device(device)
         self.objective = get_objective(cfg)
         torch.manual_seed(cfg.init_seed + block_index)
@@ -116,13 +122,30 @@ class BlockTrainer:
         return mods
 
     # -- training -------------------------------------------------------------------------------
+    def current_lr(self) -> float:
+        """The learning rate of the step about to be taken. Warm-up then constant (a volunteer run is
+        open-ended); with ``lr_decay_s`` (a budgeted run: benchmarks) warm-up then cosine to a tenth of
+        the peak over that many seconds of this trainer's training, counted from its first step, and the
+        tenth after that. The first call starts the clock."""
+        if self.lr_decay_s is None:
+            return lr_at(self.step, self.cfg)
+        now = self._clock()
+        if self._first_step_at is None:
+            self._first_step_at = now
+        progress = (now - self._first_step_at) / self.lr_decay_s
+        return LrSchedule(self.cfg.lr, self.cfg.warmup_steps, "cosine").at(self.step, progress)
+
+    def _step_lr(self) -> float:
+        self.last_lr = self.current_lr()
+        return self.last_lr
+
     def train_step(self) -> dict:
         up = self._upstream_arg()   # before drawing a batch: a worker waiting for upstream skips none
         w = self.sampler.next_batch(self.cfg.batch_size).to(self.device)
         with self.lock:
             stats = optimizer_step(self.module, self.opt, self.cfg, self.step,
                                    lambda: self.objective.local_loss(self.module, self.block_index, w, self.gen,
-                                                                     upstream=up))
+                                                                     upstream=up), lr=self._step_lr())
             self.step += 1
             self.weights_version += 1
             self.samples_seen += w.shape[0]
@@ -164,8 +187,9 @@ class BlockTrainer:
             if apply:
                 for p in params:
                     p.grad.div_(len(pending))
+                lr = self._step_lr()
                 for g in self.opt.param_groups:
-                    g["lr"] = lr_at(self.step, self.cfg)
+                    g["lr"] = lr
                 gnorm = float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip))
                 if gnorm == gnorm and gnorm != float("inf"):   # a non-finite gradient is dropped, not applied
                     self.opt.step()

@@ -57,6 +57,24 @@ def test_lr_sweep_chooses_each_arm_on_carved_books_then_runs_at_those_rates(tmp_
     assert f"lr per arm chosen on {sw['validation']}" in text, text
 
 
+def test_cosine_schedule_decays_every_arm_over_its_own_budget(tmp_path):
+    out = _run(["--tiny", "--objective", "pipeline", "--layout", "0,1", "--no-serving", "--no-whole-reference",
+                "--train-seconds", "6", "--lr-schedule", "cosine", "--train-windows", "0", "--data", str(TEST_CORPUS),
+                "--workdir", str(tmp_path / "w"), "--json"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout)
+    peak = res["runs"]["pipeline"]["config"]["lr"]
+    assert res["settings"]["lr_schedule"] == "cosine" and res["train_windows"] == 0
+    # every worker decayed over the bench's wall time from its first step: well below the peak by the end
+    workers = res["runs"]["pipeline"]["workers"]
+    assert all(w["lr_last"] is not None and 0.1 * peak - 1e-12 <= w["lr_last"] < 0.6 * peak for w in workers), workers
+    # the one-block reference: one process per budget (wall, CPU), each at a tenth of the peak by its end
+    one, fair = res["references"]["one_block"], res["references"]["one_block_cpu"]
+    assert one["train_wall_s"] >= 6 and one["steps"] > fair["steps"] > 0
+    for ref in (one, fair):
+        assert ref["lr_schedule"] == "cosine" and 0.1 * peak - 1e-12 <= ref["lr_last"] < 0.15 * peak, ref
+
+
 def test_choice_rule_and_arm_readings():
     table = {1e-3: {"pipeline": 2.0, "one_block": 1.9}, 2e-3: {"pipeline": 1.8, "one_block": 1.9},
              4e-3: {"pipeline": 1.85, "one_block": 2.1}}

@@ -455,6 +455,7 @@ BAD_FLAGS = [
     ["seed", "--run-id", "r", "--checkpoint-every", "abc"],
     ["seed", "--run-id", "r", "--device", "tpu"],
     ["seed", "--run-id", "r", "--announce-ttl", "3"],       # refreshed every 1 s: below the floor
+    ["seed", "--run-id", "r", "--lr-decay-seconds", "0"],   # a decay needs a budget of at least 1 s
     ["seed", "--no-such-flag"],
     ["seed"],                                              # --run-id missing
     ["join"],                                              # --initial-peers missing
