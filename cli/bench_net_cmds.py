@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import friendly
@@ -34,7 +35,8 @@ def _record(path: str | None, res: dict) -> None:
 
 def _say(quiet: bool):
     t0 = time.time()
-    return None if quiet else (lambda msg: err_console.print(f"[dim]{time.time() - t0:6.0f}s[/] {msg}"))
+    # a message is text, not markup: "train.txt[last 3 train book(s)]" must print as it is
+    return None if quiet else (lambda msg: err_console.print(f"[dim]{time.time() - t0:6.0f}s[/] {escape(msg)}"))
 
 
 # -- bench swarm ---------------------------------------------------------------------------------
