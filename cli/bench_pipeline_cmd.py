@@ -7,6 +7,7 @@ import click
 from rich.table import Table
 
 from .bench_net_cmds import _f, _mb, _record, _say
+from .config_opts import lr_items as parse_lr_items
 from .errors import friendly
 from .render import emit_json, err_console
 
@@ -50,20 +51,6 @@ def pipeline_table(res: dict) -> Table:
                  f"mean over the held-out windows of the chain's CE minus the reference's, paired bootstrap 95% "
                  f"interval over windows (one seed). {res['method']}.")
     return t
-
-
-def _lr_items(items: tuple[str, ...]) -> dict[str, float]:
-    out = {}
-    for item in items:
-        arm, _, value = item.partition("=")
-        try:
-            lr = float(value)
-        except ValueError:
-            lr = -1.0
-        if not arm.strip() or not lr > 0 or lr != lr or lr == float("inf"):
-            raise click.BadParameter(f"expected ARM=RATE with a positive rate, got {item!r}", param_hint="--lr")
-        out[arm.strip()] = lr
-    return out
 
 
 def _lr_grid(text: str) -> tuple[float, ...]:
@@ -191,7 +178,7 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight,
     s.flush = flush
     s.overrides += list(overrides)
     s.data = data
-    s.lrs = _lr_items(lr_items)
+    s.lrs = parse_lr_items(lr_items)
     s.lr_schedule = lr_schedule
     grid = _lr_grid(lr_grid)
     for name, v in (("train_s", train_seconds), ("compression", compression), ("gen_bytes", gen_bytes),

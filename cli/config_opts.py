@@ -1,4 +1,5 @@
-"""Shared click options that build a ModelConfig: --config FILE, --objective, --set KEY=VALUE."""
+"""Shared click options that build a ModelConfig: --config FILE, --objective, --set KEY=VALUE; and the
+benchmarks' per-arm learning rates, --lr ARM=RATE."""
 from __future__ import annotations
 
 import dataclasses
@@ -57,3 +58,19 @@ def build_config(config_path: str | None, objective: str | None, overrides: tupl
     from ..blocks.objectives import get_objective  # validates the objective name
     get_objective(cfg)
     return cfg
+
+
+def lr_items(items: tuple[str, ...]) -> dict[str, float]:
+    """``--lr ARM=RATE`` items (``bench quality``, ``bench pipeline``) as {arm: rate}; a clear error for a
+    missing arm or a rate that is not a positive finite number."""
+    out = {}
+    for item in items:
+        arm, _, value = item.partition("=")
+        try:
+            lr = float(value)
+        except ValueError:
+            lr = -1.0
+        if not arm.strip() or not 0 < lr < float("inf"):
+            raise click.BadParameter(f"expected ARM=RATE with a positive rate, got {item!r}", param_hint="--lr")
+        out[arm.strip()] = lr
+    return out

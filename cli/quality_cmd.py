@@ -18,7 +18,7 @@ from blocktrain.bench.quality_v2 import Settings, Study, StudyError, write_json,
 from blocktrain.blocks.budget import Budget
 from blocktrain.blocks.data import resolve_data
 from blocktrain.blocks.device import pick_device
-from .config_opts import build_config, config_options
+from .config_opts import build_config, config_options, lr_items
 from .errors import friendly
 from .local_cmds import data_options, report, train_with_progress
 from .render import emit_json, err_console
@@ -37,17 +37,7 @@ def _int_list(text: str | None, what: str) -> list[int] | None:
 
 
 def _lr_pairs(items: tuple[str, ...]) -> dict[str, float]:
-    out = {}
-    for item in items:
-        arm, _, value = item.partition("=")
-        try:
-            lr = float(value)
-        except ValueError:
-            lr = -1.0
-        if not arm or not lr > 0:
-            raise click.BadParameter(f"--lr expects ARM=RATE with a positive rate, got {item!r}")
-        out[arm_kind(arm.strip())] = lr
-    return out
+    return {arm_kind(arm): lr for arm, lr in lr_items(items).items()}
 
 
 def _machine(device: torch.device) -> dict:
