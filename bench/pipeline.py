@@ -488,8 +488,9 @@ def _references(s: PipelineBenchSettings, cfg: ModelConfig, data_used: str, wind
     msg = (f"references: whole-size CE {whole['ce']:.4f} ({whole['steps']} steps{vs(whole)}), " if whole
            else "references: ") + f"one-block CE {at['ce']:.4f} at {at['cpu_s']:.0f} CPU-s ({at['steps']} steps" \
         + f"{vs(same_cpu)})"
-    if s.wall_reference:
-        msg += f", {one['ce']:.4f} after {one['train_wall_s']:.0f}s of wall time ({one['steps']} steps{vs(one)})"
+    if s.wall_reference:   # with a cosine schedule, a process of its own (not ``one``)
+        wall = refs["one_block"]
+        msg += f", {wall['ce']:.4f} after {wall['train_wall_s']:.0f}s of wall time ({wall['steps']} steps{vs(wall)})"
     say(msg)
     return refs
 

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(600)]
 def _run(args, timeout=540):
     return subprocess.run([sys.executable, "-m", "blocktrain.cli.main", "bench", "pipeline", *args],
                           capture_output=True, text=True, timeout=timeout,
-                          env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+                          env={"OMP_NUM_THREADS": "1", **__import__("os").environ, "COLUMNS": "1000"})   # no wrapping
 
 
 def test_lr_sweep_chooses_each_arm_on_carved_books_then_runs_at_those_rates(tmp_path):
@@ -60,9 +60,9 @@ def test_lr_sweep_chooses_each_arm_on_carved_books_then_runs_at_those_rates(tmp_
 def test_cosine_schedule_decays_every_arm_over_its_own_budget(tmp_path):
     out = _run(["--tiny", "--objective", "pipeline", "--layout", "0,1", "--no-serving", "--no-whole-reference",
                 "--train-seconds", "6", "--lr-schedule", "cosine", "--train-windows", "0", "--data", str(TEST_CORPUS),
-                "--workdir", str(tmp_path / "w"), "--json"])
+                "--workdir", str(tmp_path / "w"), "--record", str(tmp_path / "rec.json")])   # progress and table shown
     assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout)
+    res = json.loads((tmp_path / "rec.json").read_text().splitlines()[-1])
     peak = res["runs"]["pipeline"]["config"]["lr"]
     assert res["settings"]["lr_schedule"] == "cosine" and res["train_windows"] == 0
     # every worker decayed over the bench's wall time from its first step: well below the peak by the end
@@ -71,6 +71,9 @@ def test_cosine_schedule_decays_every_arm_over_its_own_budget(tmp_path):
     # the one-block reference: one process per budget (wall, CPU), each at a tenth of the peak by its end
     one, fair = res["references"]["one_block"], res["references"]["one_block_cpu"]
     assert one["train_wall_s"] >= 6 and one["steps"] > fair["steps"] > 0
+    # the progress line reads each from its own process
+    assert f"{one['ce']:.4f} after {one['train_wall_s']:.0f}s of wall time ({one['steps']} steps" in out.stderr
+    assert f"one-block CE {fair['ce']:.4f} at {fair['cpu_s']:.0f} CPU-s ({fair['steps']} steps" in out.stderr
     for ref in (one, fair):
         assert ref["lr_schedule"] == "cosine" and 0.1 * peak - 1e-12 <= ref["lr_last"] < 0.15 * peak, ref
 
