@@ -23,12 +23,14 @@ import pytest
 from blocktrain.node.client import NetworkClient
 from blocktrain.node.swarm.launcher import LocalSwarm
 
+from test_utils.configs import TEST_CORPUS
 from test_utils.reliability import TINY, report, wait_for
 from test_utils.wire_procs import NodeProc, stop_all
 
 pytestmark = [pytest.mark.network, pytest.mark.reliability, pytest.mark.slow]
 
 RUN = "trust"
+DATA = str(TEST_CORPUS)   # the run trains on this repository's slice (its manifest names its sha256)
 OUTSIDER = str(Path(__file__).parent / "test_utils" / "outsider.py")
 
 
@@ -37,7 +39,7 @@ def net(tmp_path_factory):
     base = tmp_path_factory.mktemp("outsider")
     fifo = base / "private-data.fifo"      # opening this for reading would block the node for good
     os.mkfifo(fifo)
-    sw = LocalSwarm(base, run_id=RUN, overrides=TINY, data="auto",
+    sw = LocalSwarm(base, run_id=RUN, overrides=TINY, data=DATA,
                     extra_args=["--average-every", "1000000", "--average-period", "1000000", "--device", "cpu"])
     out = None
     try:
@@ -58,11 +60,12 @@ def _bt(*args, timeout=150) -> subprocess.CompletedProcess:
 
 
 def _join(net, name: str, *args: str) -> tuple[subprocess.CompletedProcess | None, dict | None]:
-    """A member joining with ``args``, no --data; it exits by itself after it is ready (max-steps 0,
-    then SIGTERM) or fails. Returns (the failed process or None, the ready info or None)."""
+    """A member joining with ``args`` and its own copy of the run's private data (``--data``); it exits
+    by itself after it is ready (max-steps 0, then SIGTERM) or fails. Returns (the failed process or
+    None, the ready info or None)."""
     d = net["base"] / name
     ready = d / "ready.json"
-    p = subprocess.Popen([sys.executable, "-m", "blocktrain.cli.main", "join", *args, "--block", "1",
+    p = subprocess.Popen([sys.executable, "-m", "blocktrain.cli.main", "join", *args, "--data", DATA, "--block", "1",
                           "--max-steps", "0", "--quiet", "--checkpoint-dir", str(d / "ckpt"), "--ready-file",
                           str(ready)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
