@@ -91,7 +91,7 @@ def test_train_test_folder_and_wikitext_folder_with_train(tmp_path):
 
 
 def _wikitext_offline_folder(tmp_path: Path) -> Path:
-    """A WikiText-2 raw folder as ../shared/data holds it: valid and test splits, no train split."""
+    """A WikiText-2 raw folder as the project's shared data holds it: valid and test splits, no train split."""
     wt = tmp_path / "wikitext-2-raw"
     wt.mkdir()
     (wt / "wiki.valid.raw").write_bytes(b" = Valkyria = \n" + _text(3000, 3))

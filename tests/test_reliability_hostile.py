@@ -28,6 +28,7 @@ from test_utils.reliability import (
     MANUAL_AVG, TINY, HostileProc, RelSwarm, all_finite, average_until_accepted,
     block_state, kill9, operator_action, report, stop_swarm, wait_for,
 )
+from test_utils.wire_procs import stop_all
 
 pytestmark = [pytest.mark.reliability, pytest.mark.network]
 
@@ -105,8 +106,8 @@ def net(tmp_path_factory):
         for c in (client, insider):
             if c is not None:
                 c.close()
-        if hostile is not None:
-            hostile.stop()
+        if hostile is not None:   # asked to quit first: killed at once it left its identities' dirs in /tmp
+            stop_all([hostile])
         stop_swarm(sw)
 
 
