@@ -165,11 +165,7 @@ def run_bench_inference(s: InferenceBenchSettings, *, workdir: str | None = None
         try:
             t0 = time.time()
             with _env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"):
-                swarm.start_seed(block=0)
-                for b in range(1, cfg.n_blocks):
-                    swarm.start_join(block=b, wait=False)
-                for nd in swarm.nodes[1:]:
-                    nd.wait_ready(timeout=240)
+                swarm.start_chain(list(range(cfg.n_blocks)), timeout=240)
             from blocktrain.node.client import NetworkClient
             client = NetworkClient([swarm.seed_maddr], swarm.run_id)
             say(f"chain of {cfg.n_blocks} nodes up after {time.time() - t0:.0f}s; warming up")

@@ -84,6 +84,18 @@ class NoiseEmbedding(nn.Module):
         return self.mlp(torch.cat([a.sin(), a.cos()], dim=-1))
 
 
+def residual_stream(m: nn.Module, h: torch.Tensor | None, context: torch.Tensor | None, embed: bool) -> torch.Tensor:
+    """A slice of the byte-level Transformer on its residual stream: with ``embed`` (the slice that starts
+    the model, holding ``byte_emb`` and ``pos_emb``) the stream starts from the bytes ``context``, else it
+    is ``h``; then ``m.layers`` in order. ReferenceLM, a pipeline block and a forward-chained block."""
+    if embed:
+        pos = torch.arange(context.shape[1], device=context.device)
+        h = m.byte_emb(context) + m.pos_emb(pos)
+    for layer in m.layers:
+        h = layer(h)
+    return h
+
+
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
     for m in module.modules():
         if isinstance(m, nn.Linear):

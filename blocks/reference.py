@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
-from .layers import TransformerLayer, init_weights
+from .layers import TransformerLayer, init_weights, residual_stream
 
 
 class ReferenceLM(nn.Module):
@@ -24,11 +24,7 @@ class ReferenceLM(nn.Module):
         init_weights(self)
 
     def forward(self, context: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(context.shape[1], device=context.device)
-        h = self.byte_emb(context) + self.pos_emb(pos)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(self.norm_out(h))
+        return self.head(self.norm_out(residual_stream(self, None, context, embed=True)))
 
     def loss(self, windows: torch.Tensor) -> torch.Tensor:
         logits = self(windows[:, :-1])

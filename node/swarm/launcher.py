@@ -260,6 +260,15 @@ class LocalSwarm:
             n.wait_ready()
         return n
 
+    def start_chain(self, blocks: list[int], *, seed_args: list[str] = (), http_port: int | None = None,
+                    timeout: float = 120.0) -> None:
+        """A network in one go: the seed on ``blocks[0]`` (ready first: the joiners dial it), then one joiner
+        per further entry, started together, each waited for up to ``timeout`` seconds."""
+        self.start_seed(block=blocks[0], args=seed_args, http_port=http_port)
+        joiners = [self.start_join(block=b, wait=False) for b in blocks[1:]]
+        for nd in joiners:
+            nd.wait_ready(timeout=timeout)
+
     def live(self) -> list[NodeProc]:
         return [n for n in self.nodes if n.alive]
 

@@ -49,11 +49,7 @@ def run_swarm(*, nodes: int | None, budget_s: float, data: str, overrides: list[
     client = None
     handed_over = False   # True once the caller owns the running swarm (keep_running)
     try:
-        swarm.start_seed(block=blocks[0], http_port=http_port, args=["--eval-every", "30"])
-        for b in blocks[1:]:
-            swarm.start_join(block=b, wait=False)
-        for nd in swarm.nodes[1:]:
-            nd.wait_ready()
+        swarm.start_chain(blocks, seed_args=["--eval-every", "30"], http_port=http_port)
         client = NetworkClient([swarm.seed_maddr], "swarm")
         ce_start = client.chain_ce(split.eval, n_windows=16, k=2)
         t0 = time.time()

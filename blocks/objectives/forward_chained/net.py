@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ...config import ModelConfig
-from ...layers import TransformerLayer, init_weights
+from ...layers import TransformerLayer, init_weights, residual_stream
 
 
 class ForwardChainedBlock(nn.Module):
@@ -26,12 +26,7 @@ class ForwardChainedBlock(nn.Module):
 
     def stream(self, h: torch.Tensor | None, context: torch.Tensor) -> torch.Tensor:
         """The block's output state: h_b from h_{b-1} (block 0: from the bytes)."""
-        if self.first:
-            pos = torch.arange(context.shape[1], device=context.device)
-            h = self.byte_emb(context) + self.pos_emb(pos)
-        for layer in self.layers:
-            h = layer(h)
-        return h
+        return residual_stream(self, h, context, embed=self.first)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm_out(h))

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ...config import ModelConfig
-from ...layers import TransformerLayer, init_weights
+from ...layers import TransformerLayer, init_weights, residual_stream
 from ...reference import ReferenceLM
 
 
@@ -39,12 +39,7 @@ class PipelineBlock(nn.Module):
 
     def stream(self, h: torch.Tensor | None, context: torch.Tensor | None) -> torch.Tensor:
         """The block's output state from the state before it (block 0: from the bytes ``context``)."""
-        if self.first:
-            pos = torch.arange(context.shape[1], device=context.device)
-            h = self.byte_emb(context) + self.pos_emb(pos)
-        for layer in self.layers:
-            h = layer(h)
-        return h
+        return residual_stream(self, h, context, embed=self.first)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         if not self.last:
