@@ -97,6 +97,7 @@ class PipelineBenchSettings:
     inflight: int = 1               # --pipeline-inflight of every worker (the node's default)
     weight_stash: bool = False      # --pipeline-weight-stash of every worker (the node's default)
     flush: bool = False             # --pipeline-flush, and --pipeline-accumulate = inflight, on every worker
+    recompute: bool = False         # --pipeline-recompute of every worker (hold inputs, not graphs)
     data: str = "auto"
     device: str = "cpu"             # --device of every worker and of the references (cuda: bf16 autocast)
     references: bool = True         # train the whole-size and one-block references (issue 13)
@@ -178,6 +179,8 @@ class _Network:
                  "--pipeline-weight-stash" if s.weight_stash else "--no-pipeline-weight-stash"]
         if s.flush:
             extra += ["--pipeline-flush", "--pipeline-accumulate", str(s.inflight)]
+        if s.recompute:
+            extra += ["--pipeline-recompute"]
         if s.lr_schedule == "cosine":   # each worker decays over the bench's wall time, from its first step
             extra += ["--lr-decay-seconds", repr(float(s.train_s))]
         self.swarm = LocalSwarm(self.base, run_id=f"bench-{_slug(objective)}", overrides=self.sets, data=data_used,
@@ -353,11 +356,7 @@ def _serve(cfg: ModelConfig, sets: list[str], chain_ckpts: list[str], s: Pipelin
     client = None
     try:
         with _env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"):
-            swarm.start_seed(block=0)
-            for b in range(1, cfg.n_blocks):
-                swarm.start_join(block=b, wait=False)
-            for nd in swarm.nodes[1:]:
-                nd.wait_ready(timeout=240)
+            swarm.start_chain(list(range(cfg.n_blocks)), timeout=240)
         from blocktrain.node.client import NetworkClient
         client = NetworkClient([swarm.seed_maddr], swarm.run_id)
         client.generate(prompt, 1, mode)                      # dial every holder once

@@ -28,10 +28,13 @@ measuring child below, and a third of the file is this description of the method
     step is measured as the pipeline engine runs it on a worker (node/pipeline/engine.py) at
     ``--inflight`` K micro-batches in flight: a ``pipeline`` block before the last runs K forwards
     on random input states (block 0: random bytes) keeping their graphs, each with a copy of the
-    block's weights (weight stashing: the worst case, one version per held micro-batch), then the K
+    block's weights (weight stashing: the worst case, one version per held micro-batch;
+    ``--no-weight-stash``: none, as the engine's default and its flushed windows run), then the K
     backwards from random dL/dh_b, then one clipped AdamW step on the mean; the last block and
     ``forward-streamed`` blocks compute their loss and backward at once (nothing held), K times.
-    The stash (graphs + weight copies) is thus inside the measured step's live-tensor peak.
+    The stash (graphs + weight copies) is thus inside the measured step's live-tensor peak. With
+    ``--recompute`` (the engine's ``--pipeline-recompute``) the K forwards keep no graph, only each
+    micro-batch's input and output, and each backward first runs its forward again with a graph.
 
 ``bench throughput``
     One block step (its local objective's loss, backward, clip, AdamW) and one reference step
@@ -130,7 +133,7 @@ class _Trainee:
     """One module with its optimizer and a ready-made step on a fixed synthetic batch."""
 
     def __init__(self, which: str, cfg: ModelConfig, device: torch.device, block_index: int = 0,
-                 seed: int = 0, inflight: int = 4):
+                 seed: int = 0, inflight: int = 4, recompute: bool = False, weight_stash: bool = True):
         if which not in ("block", "reference"):
             raise ValueError(f"unknown module {which!r}: use block or reference")
         if not 0 <= block_index < cfg.n_blocks:
@@ -149,6 +152,7 @@ class _Trainee:
             self.loss_fn = lambda: self.objective.local_loss(self.module, block_index, self.windows, gen)
             self.chain = not self.objective.block_local   # trained along the chain: see _chain_step
             self.block_index, self.inflight = block_index, inflight
+            self.recompute, self.weight_stash = recompute, weight_stash
         else:
             self.module = ReferenceLM(cfg).to(device)
             self.layers = cfg.reference_layers
@@ -177,18 +181,33 @@ class _Trainee:
         self.opt.zero_grad(set_to_none=True)
         held = obj.chain_training == "backprop" and b < cfg.n_blocks - 1
         losses, stash = [], []
+        context = ctx if b == 0 else None
         for _ in range(self.inflight):
-            x = None if b == 0 else torch.randn(shape, generator=g).to(dev).requires_grad_(True)
-            h = obj.stage_forward(m, b, x, ctx if b == 0 else None)
-            if held:   # the graph and a copy of the weights stay until the gradient comes back
-                stash.append((h, {k: v.detach().clone() for k, v in m.state_dict().items()}))
+            x = None if b == 0 else torch.randn(shape, generator=g).to(dev)
+            weights = ({k: v.detach().clone() for k, v in m.state_dict().items()}
+                       if held and self.weight_stash else None)
+            if held and self.recompute:   # the input and the output sent on stay; no graph
+                with torch.no_grad():
+                    h = obj.stage_forward(m, b, x, context)
+                stash.append((x, h, weights))
+                continue
+            if x is not None:
+                x.requires_grad_(True)
+            h = obj.stage_forward(m, b, x, context)
+            if held:   # the graph (and a copy of the weights) stay until the gradient comes back
+                stash.append((x, h, weights))
             else:
                 loss, _ = obj.stage_loss(m, b, h, y)
                 loss.backward()
                 losses.append(float(loss.detach()))
-        for h, _weights in stash:
+        while stash:
+            x, h, _weights = stash.pop(0)
+            if self.recompute:            # the backward runs the forward again, with its graph
+                if x is not None:
+                    x.requires_grad_(True)
+                h = obj.stage_forward(m, b, x, context)
             h.backward(torch.randn(shape, generator=g).to(dev))
-        del stash
+            del x, h, _weights
         for p in m.parameters():
             if p.grad is not None:
                 p.grad.div_(self.inflight)
@@ -199,6 +218,7 @@ class _Trainee:
     def describe(self) -> dict:
         if getattr(self, "chain", False):
             return {"layers": self.layers, "params": _n_params(self.module), "inflight": self.inflight,
+                    "recompute": self.recompute, "weight_stash": self.weight_stash,
                     "chain_training": self.objective.chain_training}
         return {"layers": self.layers, "params": _n_params(self.module),
                 "flops_per_step": train_flops_per_step(self.module, self.cfg.batch_size, self.tokens_per_window)}
@@ -237,7 +257,8 @@ def _config_summary(cfg: ModelConfig) -> dict:
 
 # -- memory: the child process ----------------------------------------------------------------
 def measure_memory_here(cfg: ModelConfig, which: str, *, steps: int, device: torch.device,
-                        block_index: int = 0, inflight: int = 4) -> dict:
+                        block_index: int = 0, inflight: int = 4, recompute: bool = False,
+                        weight_stash: bool = True) -> dict:
     """Run in a fresh process: baseline RSS, build, train ``steps`` steps, peak RSS (and CUDA peak)."""
     gc.collect()
     after_import = _rss_now_bytes()
@@ -253,7 +274,8 @@ def measure_memory_here(cfg: ModelConfig, which: str, *, steps: int, device: tor
     if device.type == "cuda":
         torch.cuda.init()
         torch.cuda.reset_peak_memory_stats(device)
-    tr = _Trainee(which, cfg, device, block_index, inflight=inflight)
+    tr = _Trainee(which, cfg, device, block_index, inflight=inflight, recompute=recompute,
+                  weight_stash=weight_stash)
     after_build = _rss_now_bytes()
     losses = []
     t0 = time.perf_counter()
@@ -312,18 +334,20 @@ def live_tensor_peak(tr: "_Trainee") -> dict:
 
 
 def _child_cmd(cfg: ModelConfig, which: str, *, steps: int, device: torch.device, block_index: int,
-               threads: int | None, inflight: int = 4) -> list[str]:
+               threads: int | None, inflight: int = 4, recompute: bool = False,
+               weight_stash: bool = True) -> list[str]:
     cmd = [sys.executable, "-m", "blocktrain.bench.resources", "--measure", which,
            "--config-json", cfg.to_json(), "--steps", str(steps), "--device", device.type,
-           "--block", str(block_index), "--inflight", str(inflight)]
+           "--block", str(block_index), "--inflight", str(inflight),
+           "--recompute" if recompute else "--no-recompute", "--weight-stash" if weight_stash else "--no-weight-stash"]
     if threads is not None:
         cmd += ["--threads", str(threads)]
     return cmd
 
 
 def _measure_in_subprocesses(cfg: ModelConfig, *, steps: int, device: torch.device, block_index: int,
-                             timeout: float, threads: int | None, inflight: int = 4,
-                             env: dict[str, str] | None = None) -> dict[str, dict]:
+                             timeout: float, threads: int | None, inflight: int = 4, recompute: bool = False,
+                             weight_stash: bool = True, env: dict[str, str] | None = None) -> dict[str, dict]:
     """Block and reference, each in its own fresh process, one after the other, so neither competes
     with the other for cores or memory bandwidth while it is measured."""
     names = ("block", "reference")
@@ -333,7 +357,7 @@ def _measure_in_subprocesses(cfg: ModelConfig, *, steps: int, device: torch.devi
     def start(which: str) -> None:
         procs[which] = subprocess.Popen(
             _child_cmd(cfg, which, steps=steps, device=device, block_index=block_index, threads=threads,
-                       inflight=inflight),
+                       inflight=inflight, recompute=recompute, weight_stash=weight_stash),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
     def finish(which: str) -> None:
@@ -375,7 +399,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, block_index: int = 0,
                  timeout: float = 900.0, threads: int | None = None, glibc_mmap: bool = False,
-                 inflight: int = 1) -> dict:
+                 inflight: int = 1, recompute: bool = False, weight_stash: bool = True) -> dict:
     """Peak training memory of one block vs the full-depth reference, each in a fresh process."""
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
@@ -386,13 +410,16 @@ def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, bloc
     if not 1 <= inflight <= 4096:
         raise ValueError(f"--inflight must be in [1, 4096], got {inflight}")
     m = _measure_in_subprocesses(cfg, steps=steps, device=device, block_index=block_index, timeout=timeout,
-                                 threads=threads, inflight=inflight)
+                                 threads=threads, inflight=inflight, recompute=recompute, weight_stash=weight_stash)
     block, ref = m["block"], m["reference"]
     chain_note = ""
     if "chain_training" in block:
+        held = ("their inputs and outputs (recompute: each backward runs its forward again first)" if recompute
+                else "their graphs")
+        copies = (" and one weight copy each (the weight-stashing worst case)" if weight_stash
+                  else " and no weight copy (the engine's default)")
         chain_note = (f"; the {cfg.objective} block's step is the pipeline engine's at {inflight} micro-batches in flight "
-                      "(a block before the last holds their graphs and one weight copy each, the weight-stashing "
-                      "worst case, until their backwards; then one AdamW step)")
+                      f"(a block before the last holds {held}{copies} until their backwards; then one AdamW step)")
     res: dict[str, Any] = {
         "bench": "memory", "device": device.type, "device_name": _device_name(device),
         "torch": torch.__version__, "config": _config_summary(cfg), "block_index": block_index,
@@ -425,7 +452,8 @@ def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, bloc
     res["meets_target"] = res["ratio"] is not None and res["ratio"] <= MEMORY_TARGET
     if glibc_mmap:
         m = _measure_in_subprocesses(cfg, steps=steps, device=device, block_index=block_index,
-                                     timeout=timeout, threads=threads, inflight=inflight, env=GLIBC_MMAP_ENV)
+                                     timeout=timeout, threads=threads, inflight=inflight, recompute=recompute,
+                                     weight_stash=weight_stash, env=GLIBC_MMAP_ENV)
         res["glibc_mmap"] = {
             "env": " ".join(f"{k}={v}" for k, v in GLIBC_MMAP_ENV.items()),
             "note": ("glibc told to serve every allocation >= 64 KiB with mmap and unmap it on free "
@@ -505,11 +533,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--inflight", type=int, default=4)
+    ap.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--weight-stash", action=argparse.BooleanOptionalAction, default=True)
     a = ap.parse_args(argv)
     set_threads(a.threads)
     cfg = ModelConfig.from_dict(json.loads(a.config_json), source="--config-json")
     res = measure_memory_here(cfg, a.measure, steps=a.steps, device=torch.device(a.device),
-                              block_index=a.block, inflight=a.inflight)
+                              block_index=a.block, inflight=a.inflight, recompute=a.recompute,
+                              weight_stash=a.weight_stash)
     sys.stdout.write(json.dumps(res) + "\n")
     return 0
 

@@ -110,6 +110,8 @@ def _lr_grid(text: str) -> tuple[float, ...]:
 @click.option("--flush", is_flag=True, help="--pipeline-flush and --pipeline-accumulate = --inflight on every worker "
                                             "(GPipe: every holder steps once per window of in-flight micro-batches, "
                                             "none stale; the workers' recomputed counts check it).")
+@click.option("--recompute", is_flag=True, help="--pipeline-recompute of every worker (a held micro-batch keeps "
+                                                "its input, not its graph; its backward runs the forward again).")
 @click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True,
               help="Every worker's --seed (data order) and init_seed; the references' too (a second seed of a run).")
 @click.option("--lr", "lr_items", multiple=True, metavar="ARM=RATE",
@@ -139,7 +141,7 @@ def _lr_grid(text: str) -> tuple[float, ...]:
 def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight, gen_bytes, delay_ms, eval_windows, overrides, data, plot,
                        record, workdir, preset, tiny, device, no_references, no_serving, no_wall_reference, no_whole_reference,
                        curve_every,
-                       weight_stash, flush, seed, lr_items, lr_sweep, lr_grid, sweep_fraction, sweep_windows,
+                       weight_stash, flush, recompute, seed, lr_items, lr_sweep, lr_grid, sweep_fraction, sweep_windows,
                        lr_schedule, train_windows, plan_only, as_json):
     """pipeline and forward-streamed vs paper: real node processes, the same wall time each.
 
@@ -176,6 +178,7 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight,
     s.seed = seed
     s.weight_stash = weight_stash
     s.flush = flush
+    s.recompute = recompute
     s.overrides += list(overrides)
     s.data = data
     s.lrs = parse_lr_items(lr_items)

@@ -106,11 +106,17 @@ def throughput_table(res: dict) -> Table:
 @click.option("--inflight", type=click.IntRange(1, 4096), default=1, show_default=True,
               help="pipeline / forward-streamed blocks: micro-batches in flight (a pipeline block before the last "
                    "holds their graphs and, with weight stashing, a weight copy each).")
+@click.option("--recompute", is_flag=True,
+              help="pipeline blocks: measure the engine's --pipeline-recompute (held micro-batches keep their inputs, "
+                   "not their graphs; each backward runs its forward again).")
+@click.option("--weight-stash/--no-weight-stash", default=True, show_default=True,
+              help="pipeline blocks: a weight copy per held micro-batch (weight stashing, the worst case); "
+                   "--no-weight-stash: none, as the engine runs by default and in flushed windows.")
 @click.option("--tiny", is_flag=True, help="A tiny shape (B=4, 2 layers, d=64, batch 8x64, 1 thread), well under a minute.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @friendly
 def bench_memory_cmd(config_path, objective, overrides, steps, block_index, device, threads, glibc_mmap, inflight,
-                     tiny, as_json):
+                     recompute, weight_stash, tiny, as_json):
     """Peak training memory of ONE block vs the end-to-end reference (B x layers_per_block layers).
 
     \b
@@ -124,7 +130,7 @@ def bench_memory_cmd(config_path, objective, overrides, steps, block_index, devi
     steps = (3 if tiny else 5) if steps is None else steps
     threads = (1 if tiny else None) if threads is None else threads
     res = bench_memory(cfg, pick_device(device), steps=steps, block_index=block_index, threads=threads,
-                       glibc_mmap=glibc_mmap, inflight=inflight)
+                       glibc_mmap=glibc_mmap, inflight=inflight, recompute=recompute, weight_stash=weight_stash)
     if as_json:
         emit_json(res)
     else:

@@ -225,13 +225,16 @@ _PIPELINE: contextvars.ContextVar[dict] = contextvars.ContextVar("bt_pipeline", 
 
 
 def pipeline_options(fn):
-    """--pipeline-inflight / -accumulate / -compression / -timeout / -weight-stash for seed and join."""
+    """--pipeline-inflight / -accumulate / -compression / -timeout / -weight-stash / -flush / -recompute
+    for seed and join."""
     @functools.wraps(fn)
     def wrapper(*args, pipeline_inflight=1, pipeline_accumulate=1, pipeline_compression="fp32",
-                pipeline_timeout=60.0, pipeline_weight_stash=False, pipeline_flush=False, **kwargs):
+                pipeline_timeout=60.0, pipeline_weight_stash=False, pipeline_flush=False, pipeline_recompute=False,
+                **kwargs):
         _PIPELINE.set({"pipeline_inflight": pipeline_inflight, "pipeline_accumulate": pipeline_accumulate,
                        "pipeline_compression": pipeline_compression, "pipeline_timeout": pipeline_timeout,
-                       "pipeline_weight_stash": pipeline_weight_stash, "pipeline_flush": pipeline_flush})
+                       "pipeline_weight_stash": pipeline_weight_stash, "pipeline_flush": pipeline_flush,
+                       "pipeline_recompute": pipeline_recompute})
         return fn(*args, **kwargs)
     opts = [
         click.option("--pipeline-inflight", type=click.IntRange(1, 4096), default=1, show_default=True,
@@ -259,6 +262,12 @@ def pipeline_options(fn):
                           "arrives, never while a backward is still due), so with one holder per block no "
                           "backward meets weights newer than its forward's, failed or retried calls included. "
                           "--pipeline-accumulate then applies only to micro-batches without a window."),
+        click.option("--pipeline-recompute", is_flag=True,
+                     help="pipeline runs, holders of every block but the last: keep only the input of a "
+                          "micro-batch awaiting its gradient, not its graph, and run its forward again before "
+                          "the backward (GPipe's re-materialisation: with several micro-batches in flight a "
+                          "holder's activation memory is one graph's, for about a third more compute; the "
+                          "gradients are the same, dropout masks included)."),
     ]
     for o in reversed(opts):
         wrapper = o(wrapper)

@@ -54,6 +54,7 @@ class NodeOptions:
     pipeline_timeout: float = 60.0             # seconds a micro-batch may take, block 0 and back
     pipeline_weight_stash: bool = False        # backward on the weights its forward used (PipeDream)
     pipeline_flush: bool = False               # block 0: GPipe-style windows of `inflight` micro-batches
+    pipeline_recompute: bool = False           # hold inputs, not graphs; the backward recomputes the forward
     rebalance: bool = True                     # move to a needier block (node/rebalance.py); False pins the block
     rebalance_dwell: float = 600.0             # seconds a block is held before the node may leave it
     operator_token: bytes | None = field(default=None, init=False, repr=False)   # read once from the file

@@ -157,6 +157,25 @@ def test_a_pipeline_block_is_measured_with_its_stash():
     assert math.isfinite(last.step()["loss"])                      # the last block computes the loss itself
 
 
+def test_recompute_holds_inputs_not_graphs():
+    """bench memory --recompute (the engine's --pipeline-recompute): at 4 micro-batches in flight a pipeline
+    block that keeps only their inputs and outputs, and runs each forward again before its backward,
+    peaks within one graph of the 1-in-flight step, where keeping the graphs costs three more."""
+    import torch
+    from blocktrain.bench.resources import TINY_OVERRIDES, _Trainee, live_tensor_peak
+    from blocktrain.blocks.config import ModelConfig
+    cfg = ModelConfig(**{**TINY_OVERRIDES, "objective": "pipeline"})
+    peak = {}
+    for k, rc in ((1, False), (4, False), (4, True)):
+        tr = _Trainee("block", cfg, torch.device("cpu"), block_index=1, inflight=k, recompute=rc, weight_stash=False)
+        assert tr.describe()["recompute"] is rc and tr.describe()["weight_stash"] is False
+        assert math.isfinite(tr.step()["grad_norm"])
+        peak[k, rc] = live_tensor_peak(tr)["live_step_peak_mib"]
+    graph = (peak[4, False] - peak[1, False]) / 3          # what one more kept graph costs
+    assert graph > 0, peak
+    assert peak[4, True] < peak[1, False] + graph, peak    # 4 held inputs cost less than one graph
+
+
 def test_trainer_arena_pinned_mmap_threshold_shrinks_the_training_threads_arena():
     """bench/trainer_arena.py (issue 15): as the node runs, a tiny step's activations stay in the training
     thread's glibc arena; pinning the mmap threshold at 128 KiB returns them. Sizes only, never the CPU."""

@@ -1,9 +1,10 @@
 """The pipeline engine against the single-process reference, on real node processes: four
 ``bt-node`` processes hold one block each of a ``pipeline`` run (and, parametrized, of a
 ``pipeline-chunked`` run: the engine carries any differentiable chain, here one whose state packs two
-streams, D = 2 d_model); block 0's holder sends one fixed micro-batch through the chain in fp32 and
-then the same one in fp16 (each node's engine records, test side, its gradients:
-``test_utils/pipeline_probe.py``).
+streams, D = 2 d_model; and a ``pipeline`` run whose holders keep inputs, not graphs, and run each
+forward again before its backward: ``--pipeline-recompute``); block 0's holder sends one fixed
+micro-batch through the chain in fp32 and then the same one in fp16 (each node's engine records,
+test side, its gradients: ``test_utils/pipeline_probe.py``).
 
 * fp32: the activation gradient each stage answers (dL/dh_b at every boundary) and every block's
   parameter gradients equal ``blocks.chain_train.chain_gradients`` on the same weights and batch,
@@ -57,22 +58,25 @@ class Probed:
     objective: str
     run: str
     d: int                          # the state's last axis (the objective's state_dim)
+    recompute: bool = False         # the holders run with --pipeline-recompute
 
     @property
     def sets(self) -> dict:
         return {**SETS, "objective": self.objective}
 
 
-@pytest.fixture(scope="module", params=["pipeline", "pipeline-chunked"])
+@pytest.fixture(scope="module", params=[("pipeline", ()), ("pipeline-chunked", ()),
+                                        ("pipeline", ("--pipeline-recompute",))],
+                ids=["pipeline", "pipeline-chunked", "pipeline-recompute"])
 def probed(request, tmp_path_factory):
-    objective = request.param
-    run = f"pipegrad-{objective}"
+    objective, extra = request.param
+    run = f"pipegrad-{objective}{'-recompute' if extra else ''}"
     base = tmp_path_factory.mktemp(run)
     windows = torch.randint(0, 256, (N, T + 1), generator=torch.Generator().manual_seed(11))
     torch.save(windows, base / "windows.pt")
     sets = [x for k, v in {**SETS, "objective": objective}.items() for x in ("--set", f"{k}={v}")]
     common = ["--data", str(TEST_CORPUS), "--device", "cpu", "--pipeline-accumulate", "4096",
-              "--average-every", "1000000", "--average-period", "1e9"]
+              "--average-every", "1000000", "--average-period", "1e9", *extra]
     nodes: list[NodeProc] = []
     sw = _Swarm(base, nodes)
     try:
@@ -90,7 +94,7 @@ def probed(request, tmp_path_factory):
         wait_for(lambda: all((base / f"probe{b}" / "grads-1.pt").exists() for b in range(4)), 180,
                  "two micro-batches through every stage")
         d = get_objective(ModelConfig(**{**SETS, "objective": objective})).state_dim()
-        yield Probed(base, by_block, windows, objective, run, d)
+        yield Probed(base, by_block, windows, objective, run, d, recompute=bool(extra))
     finally:
         stop_swarm(sw)
 
@@ -132,7 +136,9 @@ def test_gradients_match_the_single_process_reference(probed):
 
 def test_bytes_counted_are_the_tensors_sizes(probed):
     nodes, d = probed.nodes, probed.d
-    tr = {b: n.get("/v1/status")["self"]["pipeline"]["traffic"] for b, n in nodes.items()}
+    pipe = {b: n.get("/v1/status")["self"]["pipeline"] for b, n in nodes.items()}
+    assert all(p["settings"]["recompute"] is probed.recompute for p in pipe.values())   # the flag reached each engine
+    tr = {b: p["traffic"] for b, p in pipe.items()}
     one = N * T * d * 4 + N * T * d * 2          # the fp32 micro-batch, then the fp16 one
     for b in range(3):        # each sender: both micro-batches went out once, and their gradients came back
         assert tr[b]["calls_out"] == 2 and tr[b]["calls_out_failed"] == 0, tr[b]

@@ -2,7 +2,7 @@
 stage's forward keeps its graph, the block's weights then change (a downloaded state, as an
 averaging round or an optimizer step would), and the backward of that micro-batch arrives.
 
-With weight stashing (the default) the answer dL/dh_{b-1} and the parameter gradients are those
+With weight stashing (``--pipeline-weight-stash``; off by default) the answer dL/dh_{b-1} and the parameter gradients are those
 of the weights the forward ran on (a fresh block holding them, same input and dL/dh_b); without
 it, those of the current weights. In-process and network-free on purpose: the engine's RPC and
 route are tested on real processes in test_pipeline_grads.py / test_pipeline_train.py; this one

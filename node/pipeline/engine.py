@@ -38,18 +38,25 @@ downstream on the h_b this stage sent) is backpropagated through the function th
 h_b, and the parameter gradient is added to the block's live gradients. Without it the recompute
 uses the current weights: the gradient is then that of a different h_b than the one sent. Both are
 delayed gradients; the default (``inflight`` 1) has none.
+With ``recompute`` (GPipe's re-materialisation, off by default) a held micro-batch keeps no graph at all:
+its forward runs without one and keeps only its input (h_{b-1}, or block 0's bytes) and the random
+state it started from; its backward runs the forward again from them with a graph (the same dropout
+masks) and backpropagates at once. A holder then keeps at most one graph however many micro-batches
+it holds, for one more forward of the block per micro-batch; the gradients are those of the kept graph.
 Memory: a stage holds at most ``max_stash`` micro-batches between forward and backward and answers
 ``busy`` beyond that; a block-0 holder at most ``inflight``; weight copies at most one per held
 micro-batch (shared by those of one version; :meth:`stash_bytes` reports them). Faults: every call
 carries what is left of the micro-batch's ``timeout_s``; a holder that dies or stalls costs the
 micro-batches it held: its caller tries another holder (``retries``) or gives up, and the block-0
-holder counts the micro-batch lost. Nothing waits unbounded. Dropout > 0 with a recompute draws new
-masks (as hivemind's recomputing backward does).
+holder counts the micro-batch lost. Nothing waits unbounded. Dropout > 0 with a recompute after a
+weight change draws new masks (as hivemind's recomputing backward does), unless ``recompute`` is on
+(it keeps the random state for every held micro-batch).
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
 import logging
 import threading
@@ -89,6 +96,30 @@ class _Work:
     weights: "_Weights | None" = None     #   and a copy of them (weight stashing)
     window: tuple[str, int] | None = None  # (origin, window) of a flushed micro-batch
     open: bool = False                    # its graph is kept and its backward has not run (counted in _open)
+    rng: dict | None = None               # recompute: the random state the forward started from (dropout)
+
+
+def _rng_state(device: torch.device) -> dict:
+    """The random state a forward starts from (CPU, and the device's on CUDA): a recompute replays it."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+@contextlib.contextmanager
+def _rng_restored(state: dict | None, device: torch.device):
+    """Run a recomputed forward from ``state`` (the same dropout masks as the forward it repeats), then
+    give the process its own random stream back. ``None``: the stream as it is (new masks)."""
+    if state is None:
+        yield
+        return
+    devices = [device] if "cuda" in state else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"], device)
+        yield
 
 
 class _Weights:
@@ -164,6 +195,15 @@ class PipelineEngine:
             x = None if h_in is None else h_in.to(dev)
             ctx = None if context is None else context.to(dev)
             keep = self.mode == "backprop" and not self.last
+            if keep and self.settings.recompute:   # no graph kept: the input and the random state only
+                rng = _rng_state(dev)
+                with torch.no_grad():
+                    h = obj.stage_forward(t.module, self.b, x, ctx)
+                with self._open_lock:
+                    self._open += 1
+                return _Work(h.cpu(), n, x=x, h=None, context=ctx, version=t.weights_version,
+                             weights=self._stash_current() if self.settings.weight_stash else None,
+                             window=window, open=True, rng=rng)
             if x is not None and self.mode == "backprop":
                 x.requires_grad_(True)
             h = obj.stage_forward(t.module, self.b, x, ctx)
@@ -183,13 +223,16 @@ class PipelineEngine:
         return work
 
     def _release(self, work: _Work | None) -> None:
-        """The micro-batch's kept graph will not be backpropagated (done, or dropped): no longer open."""
+        """The micro-batch's kept graph will not be backpropagated (done, or dropped): no longer open, and
+        its graph, input and weight copy are let go now, even if something (an exception's traceback, a
+        task nobody awaited) still refers to the ``_Work`` itself."""
         if work is None:
             return
         with self._open_lock:
             if work.open:
                 work.open = False
                 self._open -= 1
+        work.x = work.h = work.context = work.weights = work.rng = None
 
     def _enter_window(self, key: tuple[str, int]) -> None:
         """A flushed micro-batch is about to run its forward here (under the trainer's lock): at the first
@@ -228,28 +271,33 @@ class PipelineEngine:
         """Backprop mode: dL/dh_b -> the block's gradients (accumulated) and dL/dh_{b-1}."""
         t = self.trainer
         with t.lock:
-            x, h = work.x, work.h
-            if work.version != t.weights_version:   # the weights moved since the forward: recompute it
+            if not work.open:   # released already (its caller was cancelled): nothing left to backpropagate
+                return None
+            # read once: a cancelled caller may release the work (and let go of its tensors) meanwhile
+            x, h, ctx, weights, rng = work.x, work.h, work.context, work.weights, work.rng
+            stale = work.version != t.weights_version   # the weights moved since the forward
+            if stale:
                 self.stats.add("recomputed")
+            if stale or h is None:                    # run the forward again (h is None: --pipeline-recompute)
                 x = None if x is None else x.detach().requires_grad_(True)
-                if work.weights is not None:        # with the weights that forward used (PipeDream)
-                    self.stats.add("recomputed_stashed")
-                    shadow = self._shadow_with(work.weights)
-                    h = self.objective.stage_forward(shadow, self.b, x, work.context)
-                    h.backward(grad_out.to(h.device, h.dtype))
-                    live = dict(t.module.named_parameters())
-                    for name, p in shadow.named_parameters():
-                        if p.grad is not None:
-                            q = live[name]
-                            q.grad = p.grad.clone() if q.grad is None else q.grad.add_(p.grad)
-                            p.grad = None
-                    h = None
-                else:
-                    t.module.train()
-                    h = self.objective.stage_forward(t.module, self.b, x, work.context)
+                with _rng_restored(rng, t.device):
+                    if stale and weights is not None:   # with the weights that forward used (PipeDream)
+                        self.stats.add("recomputed_stashed")
+                        shadow = self._shadow_with(weights)
+                        h = self.objective.stage_forward(shadow, self.b, x, ctx)
+                        h.backward(grad_out.to(h.device, h.dtype))
+                        live = dict(t.module.named_parameters())
+                        for name, p in shadow.named_parameters():
+                            if p.grad is not None:
+                                q = live[name]
+                                q.grad = p.grad.clone() if q.grad is None else q.grad.add_(p.grad)
+                                p.grad = None
+                        h = None
+                    else:
+                        t.module.train()
+                        h = self.objective.stage_forward(t.module, self.b, x, ctx)
             if h is not None:
                 h.backward(grad_out.to(h.device, h.dtype))
-            work.x = work.h = work.weights = None
             self._release(work)
             self._accumulated(work.samples, loss, windowed=work.window is not None)
             return None if x is None else x.grad.detach().cpu()
@@ -432,7 +480,7 @@ class PipelineEngine:
         return {"mode": self.mode, "block": self.b, "last": self.last, "held_now": self._held,
                 "settings": {"inflight": s.inflight, "accumulate": s.accumulate, "compression": s.codec,
                              "timeout_s": s.timeout_s, "max_stash": s.max_stash, "retries": s.retries,
-                             "weight_stash": s.weight_stash, "flush": s.flush},
+                             "weight_stash": s.weight_stash, "flush": s.flush, "recompute": s.recompute},
                 **self.stats.snapshot(), "traffic": self.traffic.snapshot()}
 
     def leave(self) -> None:

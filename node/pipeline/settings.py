@@ -17,6 +17,8 @@ class PipelineSettings:
     weight_stash: bool = False   # a backward after a weight change uses the weights its forward used (PipeDream)
     flush: bool = False          # block 0: windows of `inflight` micro-batches, each finished before the next
                                  # (GPipe; with accumulate == inflight on every holder: no stale weights)
+    recompute: bool = False      # keep only a held micro-batch's input, not its graph; its backward runs the
+                                 # forward again first (GPipe's re-materialisation: memory of one graph, not K)
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
