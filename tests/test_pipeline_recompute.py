@@ -7,7 +7,9 @@ the flag on real processes, against the single-process reference: test_pipeline_
   graph (same weights, input, dL/dh_b), with dropout on: the recompute replays the forward's random
   state, whatever the process drew in between (and without the replay they differ: the test can fail);
 * a held micro-batch keeps no graph (its output needs no gradient), and its weights changing before
-  the backward still counts a stale recompute, on the forward's weights with weight stashing.
+  the backward still counts a stale recompute, on the forward's weights with weight stashing;
+* a micro-batch released without its backward (dropped, or its caller cancelled) lets go of its
+  tensors at once, and a late backward on it does nothing.
 """
 from __future__ import annotations
 
@@ -106,5 +108,21 @@ def test_a_stale_recompute_runs_on_the_stashed_weights():
                                        msg=name)
         st = e.stats.snapshot()
         assert st["recomputed"] == 1 and st["recomputed_stashed"] == 1
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_released_microbatch_lets_go_and_a_late_backward_does_nothing(recompute):
+    e, t = _engine(1, recompute)
+    try:
+        x, _, y, g = _inputs(t, 1)
+        work = e._forward(x, None, y)
+        assert e._open == 1 and work.x is not None
+        e._release(work)                                   # dropped: its caller gave up
+        assert e._open == 0 and work.x is None and work.h is None and work.context is None
+        assert e._backward(work, g, 1.0) is None           # too late: nothing backpropagated, nothing counted
+        assert all(p.grad is None for p in t.module.parameters())
+        assert e.stats.snapshot()["microbatches_accumulated"] == 0
     finally:
         e.close()

@@ -195,24 +195,19 @@ class PipelineEngine:
             x = None if h_in is None else h_in.to(dev)
             ctx = None if context is None else context.to(dev)
             keep = self.mode == "backprop" and not self.last
-            if keep and self.settings.recompute:   # no graph kept: the input and the random state only
-                rng = _rng_state(dev)
-                with torch.no_grad():
-                    h = obj.stage_forward(t.module, self.b, x, ctx)
-                with self._open_lock:
-                    self._open += 1
-                return _Work(h.cpu(), n, x=x, h=None, context=ctx, version=t.weights_version,
-                             weights=self._stash_current() if self.settings.weight_stash else None,
-                             window=window, open=True, rng=rng)
-            if x is not None and self.mode == "backprop":
+            recompute = keep and self.settings.recompute   # no graph kept: the input and the random state only
+            rng = _rng_state(dev) if recompute else None
+            if x is not None and self.mode == "backprop" and not recompute:
                 x.requires_grad_(True)
-            h = obj.stage_forward(t.module, self.b, x, ctx)
+            with torch.no_grad() if recompute else contextlib.nullcontext():
+                h = obj.stage_forward(t.module, self.b, x, ctx)
             if keep:
                 with self._open_lock:
                     self._open += 1
-                return _Work(h.detach().cpu(), n, x=x, h=h, context=ctx, version=t.weights_version,
+                return _Work(h.detach().cpu(), n, x=x, h=None if recompute else h, context=ctx,
+                             version=t.weights_version,
                              weights=self._stash_current() if self.settings.weight_stash else None,
-                             window=window, open=True)
+                             window=window, open=True, rng=rng)
             loss, _ = obj.stage_loss(t.module, self.b, h, targets.to(dev))
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss at block {self.b}")
