@@ -60,6 +60,7 @@ from typing import Any
 
 import torch
 
+from blocktrain.blocks.chain_train import stage_backward
 from blocktrain.blocks.config import ModelConfig
 from blocktrain.blocks.flops import train_flops_per_step
 from blocktrain.blocks.objectives import get_objective
@@ -206,7 +207,7 @@ class _Trainee:
                 if x is not None:
                     x.requires_grad_(True)
                 h = obj.stage_forward(m, b, x, context)
-            h.backward(torch.randn(shape, generator=g).to(dev))
+            stage_backward(h, torch.randn(shape, generator=g).to(dev))
             del x, h, _weights
         for p in m.parameters():
             if p.grad is not None:

@@ -27,6 +27,18 @@ from .objectives.base import Objective
 from .train import lr_at
 
 
+def stage_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """``output.backward(grad)`` for a stage whose output gradient came from downstream, without the
+    memory that call costs. Given an explicit gradient, torch's ``backward`` checks its shape through
+    ``torch.fx.experimental.symbolic_shapes``, whose first import pulls in sympy and mpmath: 487 modules
+    and ~35 MB of RSS that a pipeline worker would then hold for life (BENCHMARKS.md "Memory of a
+    pipeline block"). The scalar ``sum(output * grad)`` has exactly ``grad`` as its gradient w.r.t.
+    ``output`` (a product by 1.0), so every gradient below is the same, bit for bit."""
+    if grad.shape != output.shape:
+        raise ValueError(f"gradient of shape {tuple(grad.shape)} for an output of shape {tuple(output.shape)}")
+    (output * grad.detach().to(output.dtype)).sum().backward()
+
+
 @dataclass
 class ChainGradients:
     losses: dict[int, float]                     # block -> its loss (backprop: the last block only)
@@ -108,7 +120,7 @@ def stage_step_flops(objective: Objective, blocks: Sequence[nn.Module], windows:
             if objective.stage_has_loss(b):
                 objective.stage_loss(m, b, h, y)[0].backward()
             else:
-                h.backward(torch.ones_like(h))
+                stage_backward(h, torch.ones_like(h))
 
         try:
             out.append(measured_flops(step))

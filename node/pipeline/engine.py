@@ -67,6 +67,7 @@ from typing import Callable
 
 import torch
 
+from blocktrain.blocks.chain_train import stage_backward
 from blocktrain.node.loops import DutyCycle
 from blocktrain.node.pipeline.settings import PipelineSettings
 from blocktrain.node.pipeline.stats import PipelineStats
@@ -280,7 +281,7 @@ class PipelineEngine:
                         self.stats.add("recomputed_stashed")
                         shadow = self._shadow_with(weights)
                         h = self.objective.stage_forward(shadow, self.b, x, ctx)
-                        h.backward(grad_out.to(h.device, h.dtype))
+                        stage_backward(h, grad_out.to(h.device, h.dtype))
                         live = dict(t.module.named_parameters())
                         for name, p in shadow.named_parameters():
                             if p.grad is not None:
@@ -292,7 +293,7 @@ class PipelineEngine:
                         t.module.train()
                         h = self.objective.stage_forward(t.module, self.b, x, ctx)
             if h is not None:
-                h.backward(grad_out.to(h.device, h.dtype))
+                stage_backward(h, grad_out.to(h.device, h.dtype))
             self._release(work)
             self._accumulated(work.samples, loss, windowed=work.window is not None)
             return None if x is None else x.grad.detach().cpu()
