@@ -70,6 +70,7 @@ from blocktrain.blocks.train import make_optimizer, optimizer_step, reference_lo
 MiB = 1024.0 * 1024.0
 # Optional second CPU measurement: fixed glibc mmap threshold, so RSS follows live tensors.
 GLIBC_MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+ALLOCATORS = ("node", "glibc")   # node: node/memory.py tune_malloc in both processes; glibc: its defaults
 MEMORY_TARGET = 0.35       # issue 2, target 2: block peak memory <= 0.35x the reference's
 THROUGHPUT_TARGET = 3.0    # issue 2, target 2: block-step throughput >= 3x the reference step's
 
@@ -279,16 +280,17 @@ def measure_memory_here(cfg: ModelConfig, which: str, *, steps: int, device: tor
                   weight_stash=weight_stash)
     after_build = _rss_now_bytes()
     losses = []
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         losses.append(tr.step()["loss"])
     _sync(device)
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - c0
     peak = _peak_rss_bytes()
     live = live_tensor_peak(tr) if device.type == "cpu" else None   # after the RSS reading: it allocates
     n = _n_params(tr.module)
     out = {
         "module": which, **tr.describe(), "steps": steps, "seconds": round(seconds, 3),
+        "cpu_seconds": round(cpu_seconds, 3),   # the process's user + system CPU over those steps
         "threads": torch.get_num_threads(),
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
         "after_import_rss_mib": None if after_import is None else after_import / MiB,
@@ -336,11 +338,12 @@ def live_tensor_peak(tr: "_Trainee") -> dict:
 
 def _child_cmd(cfg: ModelConfig, which: str, *, steps: int, device: torch.device, block_index: int,
                threads: int | None, inflight: int = 4, recompute: bool = False,
-               weight_stash: bool = True) -> list[str]:
+               weight_stash: bool = True, allocator: str = "node") -> list[str]:
     cmd = [sys.executable, "-m", "blocktrain.bench.resources", "--measure", which,
            "--config-json", cfg.to_json(), "--steps", str(steps), "--device", device.type,
            "--block", str(block_index), "--inflight", str(inflight),
-           "--recompute" if recompute else "--no-recompute", "--weight-stash" if weight_stash else "--no-weight-stash"]
+           "--recompute" if recompute else "--no-recompute", "--weight-stash" if weight_stash else "--no-weight-stash",
+           "--allocator", allocator]
     if threads is not None:
         cmd += ["--threads", str(threads)]
     return cmd
@@ -348,7 +351,8 @@ def _child_cmd(cfg: ModelConfig, which: str, *, steps: int, device: torch.device
 
 def _measure_in_subprocesses(cfg: ModelConfig, *, steps: int, device: torch.device, block_index: int,
                              timeout: float, threads: int | None, inflight: int = 4, recompute: bool = False,
-                             weight_stash: bool = True, env: dict[str, str] | None = None) -> dict[str, dict]:
+                             weight_stash: bool = True, env: dict[str, str] | None = None,
+                             allocator: str = "node") -> dict[str, dict]:
     """Block and reference, each in its own fresh process, one after the other, so neither competes
     with the other for cores or memory bandwidth while it is measured."""
     names = ("block", "reference")
@@ -358,7 +362,7 @@ def _measure_in_subprocesses(cfg: ModelConfig, *, steps: int, device: torch.devi
     def start(which: str) -> None:
         procs[which] = subprocess.Popen(
             _child_cmd(cfg, which, steps=steps, device=device, block_index=block_index, threads=threads,
-                       inflight=inflight, recompute=recompute, weight_stash=weight_stash),
+                       inflight=inflight, recompute=recompute, weight_stash=weight_stash, allocator=allocator),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
     def finish(which: str) -> None:
@@ -400,8 +404,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, block_index: int = 0,
                  timeout: float = 900.0, threads: int | None = None, glibc_mmap: bool = False,
-                 inflight: int = 1, recompute: bool = False, weight_stash: bool = True) -> dict:
-    """Peak training memory of one block vs the full-depth reference, each in a fresh process."""
+                 inflight: int = 1, recompute: bool = False, weight_stash: bool = True,
+                 allocator: str = "node") -> dict:
+    """Peak training memory of one block vs the full-depth reference, each in a fresh process, both with
+    the same C allocator settings: ``node`` (what a node applies at start, ``node/memory.py``
+    ``tune_malloc``) or ``glibc`` (its defaults, as before 2026-12-02)."""
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
     if threads is not None and threads < 1:
@@ -410,8 +417,11 @@ def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, bloc
         raise ValueError(f"--block {block_index} out of range [0, {cfg.n_blocks})")
     if not 1 <= inflight <= 4096:
         raise ValueError(f"--inflight must be in [1, 4096], got {inflight}")
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"--allocator must be one of {', '.join(ALLOCATORS)}, got {allocator!r}")
     m = _measure_in_subprocesses(cfg, steps=steps, device=device, block_index=block_index, timeout=timeout,
-                                 threads=threads, inflight=inflight, recompute=recompute, weight_stash=weight_stash)
+                                 threads=threads, inflight=inflight, recompute=recompute, weight_stash=weight_stash,
+                                 allocator=allocator)
     block, ref = m["block"], m["reference"]
     chain_note = ""
     if "chain_training" in block:
@@ -425,8 +435,12 @@ def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, bloc
         "bench": "memory", "device": device.type, "device_name": _device_name(device),
         "torch": torch.__version__, "config": _config_summary(cfg), "block_index": block_index,
         "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "steps": steps,
-        "threads": block.get("threads"),
+        "threads": block.get("threads"), "allocator": allocator,
         "method": ("each module trained in its own fresh process on synthetic bytes for `steps` AdamW steps; "
+                   + ("both processes apply the node's C allocator settings at start (node/memory.py tune_malloc: "
+                      "trim threshold 64 KiB, mmap threshold 4 MiB, malloc_trim every 10 s); " if allocator == "node"
+                      else "glibc's default allocator settings; ")
+                   + 
                    "peak_rss = getrusage ru_maxrss of the whole process; peak_increase = peak_rss minus "
                    "the baseline VmRSS taken after importing torch+blocktrain and one warm-up step on a "
                    "throwaway tiny model of the same kind (torch's own footprint, lazy imports and "
@@ -454,7 +468,7 @@ def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, bloc
     if glibc_mmap:
         m = _measure_in_subprocesses(cfg, steps=steps, device=device, block_index=block_index,
                                      timeout=timeout, threads=threads, inflight=inflight, recompute=recompute,
-                                     weight_stash=weight_stash, env=GLIBC_MMAP_ENV)
+                                     weight_stash=weight_stash, env=GLIBC_MMAP_ENV, allocator=allocator)
         res["glibc_mmap"] = {
             "env": " ".join(f"{k}={v}" for k, v in GLIBC_MMAP_ENV.items()),
             "note": ("glibc told to serve every allocation >= 64 KiB with mmap and unmap it on free "
@@ -536,7 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--inflight", type=int, default=4)
     ap.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--weight-stash", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--allocator", choices=ALLOCATORS, default="node")
     a = ap.parse_args(argv)
+    if a.allocator == "node":   # as a node does once its imports are done (node/node.py)
+        from blocktrain.node.memory import tune_malloc
+        tune_malloc()
     set_threads(a.threads)
     cfg = ModelConfig.from_dict(json.loads(a.config_json), source="--config-json")
     res = measure_memory_here(cfg, a.measure, steps=a.steps, device=torch.device(a.device),

@@ -9,6 +9,15 @@ to ~15 MB of PSS for a tiny-model node, within run-to-run noise: BENCHMARKS.md).
 (MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_) set by the operator wins; BT_TUNE_MALLOC=0 leaves
 glibc's defaults alone (``bt-node bench node-memory`` uses it for the "before" layout).
 
+The mmap threshold is pinned too, at 4 MiB (MALLOC_MMAP_THRESHOLD_ set by the operator wins): glibc
+raises it on every free of a mapped block (torch's import frees many), up to 32 MB, and every
+allocation under it comes from a heap that keeps its high-water mark and fragments. A large block's
+activations (12-50 MB each at d_model 768) then outlive their tensors in the RSS: a pipeline worker of
+a d_model-768 block peaked 215 MB higher than with the pin, the whole-size model's process 550 MB
+(BENCHMARKS.md "Memory of a pipeline block"). Allocations of 4 MiB and more get their own mapping and
+leave the RSS when freed; a tiny model's are all smaller, so a tiny node runs as before (its training
+thread's arena and CPU per step unchanged: ``bench/trainer_arena.py``).
+
 :func:`release_startup_pages`, called once when the node has started, drops this process's page-table
 entries for the code of its shared libraries (read-only, never-written file mappings of ``*.so``
 files and of the interpreter): importing torch touches ~70 MB of ``libtorch_cpu.so`` (static
@@ -31,9 +40,10 @@ import sys
 import threading
 import time
 
-M_TRIM_THRESHOLD, M_TOP_PAD = -1, -2   # <malloc.h>
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3   # <malloc.h>
 MADV_DONTNEED = 4   # <sys/mman.h>
 TRIM_THRESHOLD = 64 * 1024
+MMAP_THRESHOLD = 4 * 1024 * 1024
 TRIM_EVERY_S = 10.0   # malloc_trim(0) also returns whole free pages inside the heap, not only its top
 _trimmer: threading.Thread | None = None
 
@@ -59,6 +69,8 @@ def tune_malloc() -> bool:
         ok = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
     if "MALLOC_TOP_PAD_" not in os.environ:
         ok = mallopt(M_TOP_PAD, 0) == 1 and ok
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and ok
     return ok
 
 

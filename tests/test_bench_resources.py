@@ -37,6 +37,7 @@ def test_bench_memory_tiny_json():
     assert r["config"]["n_blocks"] == 4 and r["config"]["layers_per_block"] == 2
     assert r["steps"] >= 1 and r["batch_size"] >= 1 and r["seq_len"] >= 2
     assert "fresh process" in r["method"] and "ru_maxrss" in r["method"]
+    assert r["allocator"] == "node" and "tune_malloc" in r["method"]   # both processes: the node's settings
     b, ref = r["block"], r["reference"]
     assert (b["layers"], ref["layers"]) == (2, 8)
     assert b["params"] < ref["params"]

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 PROBE = r"""
@@ -159,3 +160,43 @@ def test_only_never_written_read_only_library_mappings_are_released():
         mapping(0x11000, "r-xs", "/usr/lib/libz.so"),                    # shared mapping: kept
     ])
     assert _code_mappings(smaps, "/usr/bin/python3.11") == [(0x1000, 0x2000), (0x3000, 0x4000), (0xd000, 0xe000)]
+
+
+MMAP_PROBE = r"""
+import json, sys, torch
+from blocktrain.node.memory import tune_malloc
+def big_maps():   # anonymous mappings of 8-9 MiB: an 8 MiB block mapped on its own
+    n = 0
+    for line in open("/proc/self/maps"):
+        parts = line.split()
+        if len(parts) == 5:
+            a, b = (int(x, 16) for x in parts[0].split("-"))
+            n += (8 << 20) <= b - a <= (8 << 20) + (1 << 20)
+    return n
+x = torch.empty(30 << 20, dtype=torch.uint8); x.fill_(1); del x   # a freed mapped block: glibc raises its threshold
+if sys.argv[1] == "tune":
+    tune_malloc()
+before = big_maps()
+t = torch.empty(8 << 20, dtype=torch.uint8); t.fill_(1)
+during = big_maps()
+del t
+print(json.dumps({"before": before, "during": during, "after": big_maps()}))
+"""
+
+
+@pytest.mark.parametrize("how", ["tune", "BT_TUNE_MALLOC=0", "none"])
+def test_a_tuned_node_maps_large_tensors_on_their_own_and_unmaps_them_when_freed(how):
+    """node/memory.py pins glibc's mmap threshold at 4 MiB: an 8 MiB tensor gets a mapping of its own and
+    leaves the process when freed, even after glibc raised its threshold (as torch's import makes it do);
+    untuned (or BT_TUNE_MALLOC=0) it comes from the heap, whose high-water mark stays."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "BT_TUNE_MALLOC"))}
+    if how.startswith("BT_TUNE_MALLOC"):
+        env["BT_TUNE_MALLOC"] = "0"
+    r = subprocess.run([sys.executable, "-c", MMAP_PROBE, "none" if how == "none" else "tune"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    if how == "tune":
+        assert out["during"] == out["before"] + 1 and out["after"] == out["before"], out
+    else:
+        assert out["during"] == out["before"] == out["after"], out
