@@ -32,11 +32,17 @@ def stage_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
     memory that call costs. Given an explicit gradient, torch's ``backward`` checks its shape through
     ``torch.fx.experimental.symbolic_shapes``, whose first import pulls in sympy and mpmath: 487 modules
     and ~35 MB of RSS that a pipeline worker would then hold for life (BENCHMARKS.md "Memory of a
-    pipeline block"). The scalar ``sum(output * grad)`` has exactly ``grad`` as its gradient w.r.t.
-    ``output`` (a product by 1.0), so every gradient below is the same, bit for bit."""
+    pipeline block"). Instead the scalar ``output.sum()`` is backpropagated with a hook on ``output``
+    that hands on ``grad`` in place of the sum's (a view of ones): every gradient below is the same,
+    bit for bit, and no tensor of the output's size is allocated for it."""
     if grad.shape != output.shape:
         raise ValueError(f"gradient of shape {tuple(grad.shape)} for an output of shape {tuple(output.shape)}")
-    (output * grad.detach().to(output.dtype)).sum().backward()
+    g = grad.detach().to(output.dtype)
+    hook = output.register_hook(lambda _ones: g)
+    try:
+        output.sum().backward()
+    finally:
+        hook.remove()
 
 
 @dataclass
