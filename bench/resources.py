@@ -440,8 +440,7 @@ def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, bloc
                    + ("both processes apply the node's C allocator settings at start (node/memory.py tune_malloc: "
                       "trim threshold 64 KiB, mmap threshold 4 MiB, malloc_trim every 10 s); " if allocator == "node"
                       else "glibc's default allocator settings; ")
-                   + 
-                   "peak_rss = getrusage ru_maxrss of the whole process; peak_increase = peak_rss minus "
+                   + "peak_rss = getrusage ru_maxrss of the whole process; peak_increase = peak_rss minus "
                    "the baseline VmRSS taken after importing torch+blocktrain and one warm-up step on a "
                    "throwaway tiny model of the same kind (torch's own footprint, lazy imports and "
                    "thread pools excluded)"

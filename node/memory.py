@@ -12,9 +12,9 @@ glibc's defaults alone (``bt-node bench node-memory`` uses it for the "before" l
 The mmap threshold is pinned too, at 4 MiB (MALLOC_MMAP_THRESHOLD_ set by the operator wins): glibc
 raises it on every free of a mapped block (torch's import frees many), up to 32 MB, and every
 allocation under it comes from a heap that keeps its high-water mark and fragments. A large block's
-activations (12-50 MB each at d_model 768) then outlive their tensors in the RSS: a pipeline worker of
-a d_model-768 block peaked 215 MB higher than with the pin, the whole-size model's process 550 MB
-(BENCHMARKS.md "Memory of a pipeline block"). Allocations of 4 MiB and more get their own mapping and
+activations (12-50 MB each at d_model 768) then outlive their tensors in the RSS: without the pin a
+d_model-768 middle block (4 micro-batches in flight, recompute) peaked 286 MiB higher, the whole-size
+model's process 791 MiB (``bt-node bench memory --allocator glibc`` vs ``node``, docs/records/s17). Allocations of 4 MiB and more get their own mapping and
 leave the RSS when freed; a tiny model's are all smaller, so a tiny node runs as before (its training
 thread's arena and CPU per step unchanged: ``bench/trainer_arena.py``).
 
