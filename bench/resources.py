@@ -34,7 +34,8 @@ measuring child below, and a third of the file is this description of the method
     ``forward-streamed`` blocks compute their loss and backward at once (nothing held), K times.
     The stash (graphs + weight copies) is thus inside the measured step's live-tensor peak. With
     ``--recompute`` (the engine's ``--pipeline-recompute``) the K forwards keep no graph, only each
-    micro-batch's input and output, and each backward first runs its forward again with a graph.
+    micro-batch's input (its output is given to the wire, which drops it once encoded), and each
+    backward first runs its forward again with a graph.
 
 ``bench throughput``
     One block step (its local objective's loss, backward, clip, AdamW) and one reference step
@@ -188,10 +189,11 @@ class _Trainee:
             x = None if b == 0 else torch.randn(shape, generator=g).to(dev)
             weights = ({k: v.detach().clone() for k, v in m.state_dict().items()}
                        if held and self.weight_stash else None)
-            if held and self.recompute:   # the input and the output sent on stay; no graph
+            if held and self.recompute:   # only the input stays: the output goes to the wire; no graph
                 with torch.no_grad():
                     h = obj.stage_forward(m, b, x, context)
-                stash.append((x, h, weights))
+                del h
+                stash.append((x, None, weights))
                 continue
             if x is not None:
                 x.requires_grad_(True)
@@ -425,8 +427,8 @@ def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, bloc
     block, ref = m["block"], m["reference"]
     chain_note = ""
     if "chain_training" in block:
-        held = ("their inputs and outputs (recompute: each backward runs its forward again first)" if recompute
-                else "their graphs")
+        held = ("their inputs (recompute: the output goes to the wire; each backward runs its forward again first)"
+                if recompute else "their graphs")
         copies = (" and one weight copy each (the weight-stashing worst case)" if weight_stash
                   else " and no weight copy (the engine's default)")
         chain_note = (f"; the {cfg.objective} block's step is the pipeline engine's at {inflight} micro-batches in flight "

@@ -44,7 +44,7 @@ from hivemind.proto import runtime_pb2
 from blocktrain.p2p.errors import HopRequestError, HopTimeoutError, RemoteHopError
 from blocktrain.p2p.hops import decode_meta
 from blocktrain.p2p.pipeline_wire import (
-    PipelineLimits, StageRequest, StageResponse, activation_tensors, decode_request, decode_response,
+    PipelineLimits, SentRequest, StageRequest, StageResponse, activation_tensors, decode_request, decode_response,
     request_message, response_message, train_namespace,
 )
 from blocktrain.p2p.rpc_client import StreamProgress, _transport_error, read_answer
@@ -97,23 +97,16 @@ class PipelineService(ServicerBase):
         rid, consumed, grad_bytes = "", False, 0
         try:
             self._check_caller(context)
-            meta: dict[str, Any] | None = None
-            assembler = TensorAssembler(self.limits.max_request_bytes, max_tensors=3, what="request")
-            async for msg in requests:
-                self.traffic.add(wire_bytes_received=msg.ByteSize())
-                if meta is None:
-                    meta = decode_meta(msg.metadata, "request metadata")
-                for part in msg.tensors:
-                    assembler.feed(part)
+            meta, tensors = await self._receive(requests)
             consumed = True
             if meta is None:
                 raise HopRequestError("malformed", "empty request stream")
-            tensors = assembler.finish()
             await self._delay()
             req = decode_request(meta, tensors, self.block_index, self.limits)
             rid, k = req.request_id, activation_tensors(req.codec)
             self.traffic.add(activation_bytes_received=sum(len(t.buffer) for t in tensors[:k]),
                              target_bytes_received=sum(len(t.buffer) for t in tensors[k:]))
+            del tensors   # decoded: the received bytes are not kept while the chain below runs
             try:
                 resp = await asyncio.wait_for(self.handler(req), req.deadline_s + 5.0)
             except asyncio.TimeoutError:
@@ -141,6 +134,20 @@ class PipelineService(ServicerBase):
             raise
         if not consumed:
             await _drain(requests)
+
+    async def _receive(self, requests: AsyncIterator[runtime_pb2.ExpertRequest]
+                       ) -> tuple[dict[str, Any] | None, list[runtime_pb2.Tensor]]:
+        """The whole request stream: (metadata of its first message or None if none came, tensors),
+        bounded by the limits."""
+        meta: dict[str, Any] | None = None
+        assembler = TensorAssembler(self.limits.max_request_bytes, max_tensors=3, what="request")
+        async for msg in requests:
+            self.traffic.add(wire_bytes_received=msg.ByteSize())
+            if meta is None:
+                meta = decode_meta(msg.metadata, "request metadata")
+            for part in msg.tensors:
+                assembler.feed(part)
+        return meta, assembler.finish()
 
     def _check_caller(self, context: P2PContext) -> None:
         if self.authorize is None:
@@ -213,19 +220,28 @@ class PipelineClient:
     async def call(self, peer_id: str, req: StageRequest, timeout: float) -> StageResponse:
         """Send ``req`` to ``peer_id`` and wait at most ``timeout`` s. Raises RemoteHopError (``.code``:
         the peer's error code, ``unreachable``, ``bad_response``), HopTimeoutError, or HopRequestError
-        when the request cannot be sent (e.g. a non-finite state: nothing left this node)."""
+        when the request cannot be sent (e.g. a non-finite state: nothing left this node).
+
+        Once encoded, the request's tensors are let go here (``req`` itself is not kept: what checking
+        the answer needs is its :class:`SentRequest`), and each encoded tensor is dropped as soon as its
+        last part is handed to the stream; so a caller that keeps no reference of its own (the engine
+        with ``--pipeline-recompute``) holds no copy of the state while the next stage computes."""
         if not req.request_id:
             req.request_id = uuid.uuid4().hex
         meta, pbs, _, _ = request_message(req)
+        sent, k = req.sent(), activation_tensors(req.codec)
+        del req
+        parts = self._parts(meta, pbs, k)
+        del pbs
         self.traffic.add(calls_out=1)
         progress = StreamProgress()
         try:
             resp_meta, tensors = await asyncio.wait_for(
-                self._call(PeerID.from_base58(peer_id), req, meta, pbs, progress), timeout)
-            resp = decode_response(resp_meta, tensors, req, self.limits)
+                self._call(PeerID.from_base58(peer_id), sent, parts, progress), timeout)
+            resp = decode_response(resp_meta, tensors, sent, self.limits)
         except asyncio.TimeoutError:
             self.traffic.add(calls_out_failed=1)
-            raise HopTimeoutError(f"peer {peer_id} did not answer the micro-batch for block {req.block_index} "
+            raise HopTimeoutError(f"peer {peer_id} did not answer the micro-batch for block {sent.block_index} "
                                   f"within {timeout:.1f}s (its answer stream delivered {progress.describe()})"
                                   ) from None
         except RemoteHopError:
@@ -236,28 +252,33 @@ class PipelineClient:
             raise RemoteHopError(peer_id, "bad_response", e.reason) from None
         except (P2PHandlerError, P2PDaemonError, ConnectionError, asyncio.IncompleteReadError, ValueError) as e:
             self.traffic.add(calls_out_failed=1)
-            raise _transport_error(peer_id, req.block_index, e) from None
+            raise _transport_error(peer_id, sent.block_index, e) from None
         self.traffic.add(gradient_bytes_received=sum(len(t.buffer) for t in tensors))
         return resp
 
-    async def _call(self, peer: PeerID, req: StageRequest, meta: bytes, pbs: list[runtime_pb2.Tensor],
+    async def _call(self, peer: PeerID, sent: SentRequest, parts: AsyncIterator[runtime_pb2.ExpertRequest],
                     progress: StreamProgress) -> tuple[dict[str, Any], list[runtime_pb2.Tensor]]:
-        stub = PipelineService.get_stub(self.p2p, peer, namespace=train_namespace(self.run_id, req.block_index))
-        responses = await stub.rpc_train(self._parts(meta, pbs, activation_tensors(req.codec)))
+        stub = PipelineService.get_stub(self.p2p, peer, namespace=train_namespace(self.run_id, sent.block_index))
+        responses = await stub.rpc_train(parts)
         assembler = TensorAssembler(self.limits.max_request_bytes, max_tensors=2, what="answer")
-        k = activation_tensors(req.codec) if req.mode == "backprop" else 0
+        k = activation_tensors(sent.codec) if sent.mode == "backprop" else 0
         return await read_answer(str(peer), responses, assembler, progress=progress, expect=lambda m: k,
                                  count=lambda n: self.traffic.add(wire_bytes_received=n))
 
     async def _parts(self, meta: bytes, pbs: list[runtime_pb2.Tensor],
                      k_state: int) -> AsyncIterator[runtime_pb2.ExpertRequest]:
         """The request in parts, each counted as it is handed to the stream (the state's tensors as
-        activation bytes, the last one as target bytes)."""
-        first = True
-        for i, pb in enumerate(pbs):
-            for part in split_parts(pb, self.chunk_bytes):
+        activation bytes, the last one as target bytes). Each tensor leaves ``pbs`` (the only list
+        holding it) once its first part is made, so its bytes are freed when its last part is sent."""
+        first, i = True, 0
+        while pbs:
+            pb = pbs.pop(0)
+            kind = "activation_bytes_sent" if i < k_state else "target_bytes_sent"
+            parts = split_parts(pb, self.chunk_bytes)
+            del pb
+            for part in parts:
                 msg = runtime_pb2.ExpertRequest(metadata=meta if first else b"", tensors=[part])
                 first = False
-                kind = "activation_bytes_sent" if i < k_state else "target_bytes_sent"
                 self.traffic.add(wire_bytes_sent=msg.ByteSize(), **{kind: len(part.buffer)})
                 yield msg
+            i += 1

@@ -43,10 +43,10 @@ from blocktrain.p2p.hops import WIRE_VERSION, encode_meta
 from blocktrain.p2p.records import validate_run_id
 from blocktrain.p2p.tensors import declared_nbytes, decode_tensor, describe, encode_tensor
 
-__all__ = ["CODECS", "MODES", "PipelineLimits", "StageRequest", "StageResponse", "Encoded", "encode_activation",
-           "decode_activation", "activation_tensors", "request_message", "parse_request_meta",
-           "check_request_headers", "decode_request", "response_message", "decode_response", "payload_bytes",
-           "train_namespace"]
+__all__ = ["CODECS", "MODES", "PipelineLimits", "StageRequest", "SentRequest", "StageResponse", "Encoded",
+           "encode_activation", "decode_activation", "activation_tensors", "request_message",
+           "parse_request_meta", "check_request_headers", "decode_request", "response_message",
+           "decode_response", "payload_bytes", "train_namespace"]
 
 CODECS = ("fp32", "fp16", "8bit")
 MODES = ("backprop", "streamed")
@@ -94,6 +94,25 @@ class StageRequest:
     request_id: str = ""
     origin: str = ""
     window: int | None = None     # the block-0 holder's window (--pipeline-flush); None: not windowed
+
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        return tuple(self.state.shape)
+
+    def sent(self) -> "SentRequest":
+        """What checking the answer needs of this request, without its tensors: a caller keeps this
+        while it waits, so the state it sent is not held here for the whole call."""
+        return SentRequest(int(self.block_index), self.mode, self.codec, self.request_id, self.state_shape)
+
+
+@dataclass(frozen=True)
+class SentRequest:
+    """A request already on its way: the fields its answer is checked against (no tensors)."""
+    block_index: int
+    mode: str
+    codec: str
+    request_id: str
+    state_shape: tuple[int, ...]
 
 
 @dataclass
@@ -276,7 +295,7 @@ def response_message(resp: StageResponse, codec: str) -> tuple[bytes, list[runti
     return encode_meta(meta), enc.tensors, enc.nbytes
 
 
-def decode_response(meta: dict[str, Any], pbs: list[runtime_pb2.Tensor], req: StageRequest,
+def decode_response(meta: dict[str, Any], pbs: list[runtime_pb2.Tensor], req: StageRequest | SentRequest,
                     limits: PipelineLimits) -> StageResponse:
     """Validate a successful answer to ``req`` (raises HopRequestError 'bad_response')."""
     def bad(msg: str) -> HopRequestError:
@@ -299,7 +318,7 @@ def decode_response(meta: dict[str, Any], pbs: list[runtime_pb2.Tensor], req: St
         k = activation_tensors(req.codec)
         if meta.get("codec") != req.codec or len(pbs) != k:
             raise bad(f"a {req.codec} gradient takes {k} tensor(s), got {len(pbs)} ({meta.get('codec')!r})")
-        _check_state_headers(pbs, req.codec, limits, tuple(req.state.shape), "gradient")
+        _check_state_headers(pbs, req.codec, limits, req.state_shape, "gradient")
         grad = decode_activation(pbs, req.codec, meta, "gradient")
     elif pbs:
         raise bad("a streamed-mode answer carries no tensors")

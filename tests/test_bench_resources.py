@@ -160,7 +160,7 @@ def test_a_pipeline_block_is_measured_with_its_stash():
 
 def test_recompute_holds_inputs_not_graphs():
     """bench memory --recompute (the engine's --pipeline-recompute): at 4 micro-batches in flight a pipeline
-    block that keeps only their inputs and outputs, and runs each forward again before its backward,
+    block that keeps only their inputs (each output goes to the wire), and runs each forward again before its backward,
     peaks within one graph of the 1-in-flight step, where keeping the graphs costs three more."""
     import torch
     from blocktrain.bench.resources import TINY_OVERRIDES, _Trainee, live_tensor_peak

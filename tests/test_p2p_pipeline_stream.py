@@ -3,7 +3,9 @@ answer is cut off by a dropped connection is a typed truncation, and a good answ
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
+import weakref
 
 import pytest
 import torch
@@ -82,3 +84,20 @@ def test_an_answer_cut_off_by_a_dropped_connection_is_a_typed_truncation(pair):
 
 async def _set(event: asyncio.Event) -> None:
     event.set()
+
+
+def test_a_caller_holds_no_copy_of_the_state_while_the_stage_computes(pair):
+    """Once the request is on the wire the client keeps what checking the answer needs (a SentRequest),
+    not the state it sent: a recomputing stage that hands its output over holds only its input while
+    the chain below runs. The answer is still checked against the sent shape."""
+    loop, client, server_id, started, release = pair
+    req = _request("given")
+    expected, state = req.state * 2, weakref.ref(req.state)
+    fut = loop.submit(client.call(server_id, req, timeout=60))
+    del req
+    loop.run(asyncio.wait_for(started.wait(), 30))    # the stage holds the micro-batch: the caller waits
+    gc.collect()
+    assert state() is None, "the caller still holds the state it sent"
+    loop.submit(_set(release))
+    resp = fut.result(timeout=60)
+    assert torch.equal(resp.grad, expected) and resp.loss == 1.5

@@ -9,9 +9,12 @@ the flag on real processes, against the single-process reference: test_pipeline_
 * a held micro-batch keeps no graph (its output needs no gradient), and its weights changing before
   the backward still counts a stale recompute, on the forward's weights with weight stashing;
 * a micro-batch released without its backward (dropped, or its caller cancelled) lets go of its
-  tensors at once, and a late backward on it does nothing.
+  tensors at once, and a late backward on it does nothing;
+* the output is given to the wire, not kept, and a retry recomputes it bit for bit.
 """
 from __future__ import annotations
+
+import asyncio
 
 import numpy as np
 import pytest
@@ -19,6 +22,7 @@ import torch
 
 from blocktrain.node.pipeline.engine import PipelineEngine
 from blocktrain.node.pipeline.settings import PipelineSettings
+from blocktrain.node.routing.pipeline_route import DownstreamFailed
 from blocktrain.node.trainer import BlockTrainer
 
 from test_utils.configs import tiny_config
@@ -126,3 +130,45 @@ def test_a_released_microbatch_lets_go_and_a_late_backward_does_nothing(recomput
         assert e.stats.snapshot()["microbatches_accumulated"] == 0
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("block", [0, 1])
+def test_a_recomputing_stage_gives_its_output_up_and_a_retry_recomputes_the_same_bits(block):
+    """With recompute the output goes to the wire (the engine keeps only the input while the chain below
+    runs); a retry after a failed call runs the forward again from the input and the replayed random
+    state (dropout on): the same bits. The backward is unchanged, and a released micro-batch has no
+    output left to give (its retry fails instead of sending something)."""
+    e, t = _engine(block, recompute=True)
+    try:
+        x, ctx, y, g = _inputs(t, block)
+        torch.manual_seed(1234)
+        work = e._forward(x, ctx, y)
+        sent = work.out.clone()
+        source = e._outgoing(work)
+        assert callable(source)
+
+        async def send_twice():
+            first = await source()
+            assert work.out is None                                   # given up: not held by the engine
+            torch.rand(1000)                                          # the process's stream moves on
+            return first, await source()                              # a retry: recomputed
+
+        first, again = asyncio.run(send_twice())
+        assert torch.equal(first, sent) and torch.equal(again, sent)
+        assert e.stats.snapshot()["resent_recomputed"] == 1
+        _, in0, p0, _ = _run(block, recompute=False)                  # the backward still matches a kept graph
+        grad_in = e._backward(work, g, 1.0)
+        if block:
+            torch.testing.assert_close(grad_in, in0, rtol=1e-5, atol=1e-7)
+        for name, p in t.module.named_parameters():
+            torch.testing.assert_close(p.grad, p0[name], rtol=1e-5, atol=1e-7, msg=name)
+        with pytest.raises(DownstreamFailed):                         # released: nothing to resend
+            asyncio.run(source())
+    finally:
+        e.close()
+    kept, tk = _engine(block, recompute=False)                        # a kept graph: the output is sent as is
+    try:
+        work = kept._forward(*_inputs(tk, block)[:3])
+        assert kept._outgoing(work) is work.out
+    finally:
+        kept.close()

@@ -7,6 +7,8 @@ network: the wire and real processes are tested in test_pipeline_grads.py / test
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 
 import pytest
 import torch
@@ -88,3 +90,42 @@ def test_a_cut_answer_stream_is_retried_once_on_the_only_holder_before_a_ban():
     with pytest.raises(DownstreamFailed):
         asyncio.run(ns.send(1, x, y, 5.0))
     assert callee.calls == ["QmB", "QmB"] and ns.bans.is_banned("QmB")
+
+
+class _Drops(_Callee):
+    """Keeps nothing of a request (as the wire client does once it has encoded it) and records whether
+    anything else still holds the state it was given; cut (``truncated``) on the first ``cuts`` calls."""
+
+    def __init__(self, cuts: int):
+        super().__init__()
+        self.cuts, self.alive = cuts, []
+
+    async def call(self, peer, req, timeout):
+        self.calls.append(peer)
+        state, rid = weakref.ref(req.state), req.request_id
+        del req
+        gc.collect()
+        self.alive.append(state() is not None)
+        if len(self.calls) <= self.cuts:
+            raise StreamTruncatedError(peer, "the answer stream ended before its first message")
+        return StageResponse(rid, None, 1.0, {}, [peer])
+
+
+def test_a_source_is_asked_once_per_try_and_nothing_here_holds_what_it_gave():
+    async def holders(block, fresh):
+        return ["QmB"]
+
+    asked = []
+
+    async def source():
+        asked.append(1)
+        return torch.full((1, 2, 4), float(len(asked)))
+
+    callee = _Drops(cuts=1)
+    ns = NextStage(callee, holders, mode="backprop", codec="fp32", self_peer="QmA")
+    y = torch.zeros(1, 2, dtype=torch.long)
+    assert asyncio.run(ns.send(1, source, y, 5.0)).route == ["QmB"]
+    assert len(asked) == 2 and callee.calls == ["QmB", "QmB"]      # one cut, one retry: asked twice
+    assert callee.alive == [False, False]                           # the router kept neither tensor
+    x = torch.zeros(1, 2, 4)                                        # a tensor given by the caller: the caller's
+    assert asyncio.run(ns.send(1, x, y, 5.0)).route == ["QmB"] and callee.alive[-1] is True

@@ -71,7 +71,7 @@ from blocktrain.blocks.chain_train import stage_backward
 from blocktrain.node.loops import DutyCycle
 from blocktrain.node.pipeline.settings import PipelineSettings
 from blocktrain.node.pipeline.stats import PipelineStats
-from blocktrain.node.routing.pipeline_route import DownstreamFailed, NextStage
+from blocktrain.node.routing.pipeline_route import DownstreamFailed, NextStage, StateSource
 from blocktrain.node.trainer import BlockTrainer
 from blocktrain.p2p.aioloop import LoopThread
 from blocktrain.p2p.errors import HopRequestError
@@ -181,7 +181,8 @@ class PipelineEngine:
             return fn(*args)
         finally:
             self.stats.activity.change(computing=-1)
-            self.stats.timed("forward" if fn == self._forward else "backward", time.monotonic() - t0)
+            kind = "forward" if fn in (self._forward, self._forward_again) else "backward"
+            self.stats.timed(kind, time.monotonic() - t0)
 
     def _forward(self, h_in: torch.Tensor | None, context: torch.Tensor | None, targets: torch.Tensor,
                  window: tuple[str, int] | None = None) -> _Work:
@@ -348,7 +349,7 @@ class PipelineEngine:
                 self.stats.add("answered")
                 return StageResponse(req.request_id, work.grad_in, work.loss, own, [self.self_peer])
             left = req.deadline_s - (time.monotonic() - t0) - STAGE_MARGIN_S
-            resp = await self._send(work.out, req.targets, left, req.origin, req.window)
+            resp = await self._send(self._outgoing(work), req.targets, left, req.origin, req.window)
             grad = None
             if self.mode == "backprop":
                 grad = await self._in_compute(self._backward, work, resp.grad, resp.loss)
@@ -367,7 +368,37 @@ class PipelineEngine:
             self._held -= 1
             self.stats.activity.change(inflight=-1)
 
-    async def _send(self, out: torch.Tensor, targets: torch.Tensor, deadline_s: float, origin: str,
+    def _outgoing(self, work: _Work) -> "torch.Tensor | StateSource":
+        """What to send on: the output itself, or, for a recomputing micro-batch (it keeps no graph), a
+        source that hands the output over on the first try (the engine keeps no reference: while the
+        chain below runs this stage holds only the micro-batch's input) and recomputes it, bit for bit
+        (the same random state; the same weights, from a stash if they moved), for a retry."""
+        if not (work.open and work.h is None and work.out is not None):
+            return work.out
+        async def source() -> torch.Tensor:
+            if work.out is not None:
+                out, work.out = work.out, None
+                return out
+            return await self._in_compute(self._forward_again, work)
+        return source
+
+    def _forward_again(self, work: _Work) -> torch.Tensor:
+        """A recomputing micro-batch's output once more, for a retry (no graph; compute thread, under the
+        lock). The weights it first ran on: the live ones if unchanged, else a stash, else the live ones
+        (the retried holder then gets a different h_b: counted as a recompute on new weights)."""
+        t = self.trainer
+        with t.lock:
+            if not work.open:
+                raise DownstreamFailed("released", "the micro-batch was let go before its retry")
+            x, ctx, weights, rng = work.x, work.context, work.weights, work.rng
+            self.stats.add("resent_recomputed")
+            stale = work.version != t.weights_version
+            module = self._shadow_with(weights) if stale and weights is not None else t.module
+            module.train()
+            with torch.no_grad(), _rng_restored(rng, t.device):
+                return self.objective.stage_forward(module, self.b, x, ctx).detach().cpu()
+
+    async def _send(self, out: "torch.Tensor | StateSource", targets: torch.Tensor, deadline_s: float, origin: str,
                     window: int | None = None) -> StageResponse:
         t0 = time.monotonic()
         resp = await self.next.send(self.b + 1, out, targets, deadline_s, origin, window)
@@ -388,7 +419,7 @@ class PipelineEngine:
             ctx, y = windows[:, :-1], windows[:, 1:]
             work = await self._in_compute(self._forward, None, ctx, y, key)
             if not self.last:
-                resp = await self._send(work.out, y, self.settings.timeout_s, self.self_peer, window)
+                resp = await self._send(self._outgoing(work), y, self.settings.timeout_s, self.self_peer, window)
                 if self.mode == "backprop":
                     await self._in_compute(self._backward, work, resp.grad, resp.loss)
             self.stats.add("completed")

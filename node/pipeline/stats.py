@@ -49,6 +49,8 @@ class PipelineStats:
     cut), ``routed_unannounced`` (a holder picked from those that answered
     recently, absent from the DHT read), ``busy`` answers met, ``recomputed`` backwards (the weights had
     changed since the forward; ``recomputed_stashed``: of those, on the stashed weights the forward used),
+    ``resent_recomputed`` (a recomputing stage, which gives its output to the wire, ran its forward
+    again for a retry),
     ``steps`` optimizer steps taken (``window_steps_deferred``: window changes at which a flushed stage
     kept accumulating because a graph still awaited its backward; ``window_steps_forced``: steps taken
     at a window change anyway, after ``MAX_DEFERRED`` such waits); ``peak_weight_stash_bytes``: the most bytes of weight copies alive
@@ -58,8 +60,9 @@ class PipelineStats:
     A hand-off's cost is the caller's ``call`` less the callee's ``serve`` for the same calls."""
 
     KEYS = ("started", "completed", "received", "answered", "refused_busy", "failed_downstream", "sent",
-            "failed_calls", "retried", "retried_same", "busy", "recomputed", "recomputed_stashed", "routed_unannounced", "steps",
-            "microbatches_accumulated", "window_steps_deferred", "window_steps_forced")
+            "failed_calls", "retried", "retried_same", "busy", "recomputed", "recomputed_stashed",
+            "resent_recomputed", "routed_unannounced", "steps", "microbatches_accumulated",
+            "window_steps_deferred", "window_steps_forced")
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -22,6 +22,11 @@ joined and announced is used from then on). Failures:
 Every call is bounded by what is left of the micro-batch's deadline; when nothing is left, or no
 holder remains, :class:`DownstreamFailed` ends the micro-batch (the caller counts it lost).
 
+The state is a tensor, or a :data:`StateSource`: a coroutine function asked once per try, whose
+tensor is handed to the wire and not kept here (the wire drops it once encoded). A recomputing
+stage gives its output up this way and recomputes it only for a retry, so it holds just its input
+while the chain below runs (``PipelineEngine._outgoing``).
+
 Holders that answered in the last ``RECENT_S`` seconds stay candidates even when a DHT read lacks
 them (a read that timed out or came back partial under load is cached by the router for a few
 seconds, and every micro-batch in that window used to fail with ``no_holder``: the likely cause of
@@ -42,6 +47,8 @@ from blocktrain.node.routing.ranking import HolderRanking
 from blocktrain.p2p.errors import HopRequestError, HopTimeoutError, RemoteHopError
 from blocktrain.p2p.pipeline_rpc import PipelineClient
 from blocktrain.p2p.pipeline_wire import StageRequest, StageResponse
+
+StateSource = Callable[[], Awaitable[torch.Tensor]]   # the state to send, made (or handed over) on demand
 
 MIN_CALL_S = 0.3          # no call is started with less time than this left
 RECENT_S = 30.0           # a holder that answered this recently stays a candidate without a DHT record
@@ -81,9 +88,10 @@ class NextStage:
         """Is any holder of ``block`` announced (and not banned)? Read from the DHT at most every few seconds."""
         return any(p != self.self_peer and not self.bans.is_banned(p) for p in await self.holders(block, False))
 
-    async def send(self, block: int, state: torch.Tensor, targets: torch.Tensor, deadline_s: float,
+    async def send(self, block: int, state: torch.Tensor | StateSource, targets: torch.Tensor, deadline_s: float,
                    origin: str = "", window: int | None = None) -> StageResponse:
-        """Carry (state, targets) to a holder of ``block``; its answer, or DownstreamFailed."""
+        """Carry (state, targets) to a holder of ``block``; its answer, or DownstreamFailed. ``state``: the
+        tensor, or a source asked for it once per try (its tensor is not kept here)."""
         deadline = time.monotonic() + deadline_s
         tried: set[str] = set()
         reset: set[str] = set()      # holders whose answer stream was cut once in this micro-batch
@@ -104,12 +112,16 @@ class NextStage:
             peer = self.ranking.pick(cands)
             if peer not in announced:
                 self.on_event("routed_unannounced")
-            req = StageRequest(block, state, targets, self.mode, self.codec,
-                               deadline_s=min(600.0, max(0.1, remaining - ANSWER_MARGIN_S)),
-                               request_id=f"{rid}-{failures}", origin=origin, window=window)
+            slot = [state if isinstance(state, torch.Tensor) else await state()]
+            remaining = deadline - time.monotonic()   # a source may have computed for a while
+            if remaining < MIN_CALL_S:
+                raise DownstreamFailed("timeout", f"no time left to reach block {block} ({last})")
             t0 = time.monotonic()
-            try:
-                resp = await self.client.call(peer, req, timeout=remaining)
+            try:   # the request is built inline: once the wire has encoded it, nothing here holds the state
+                resp = await self.client.call(peer, StageRequest(
+                    block, slot.pop(), targets, self.mode, self.codec,
+                    deadline_s=min(600.0, max(0.1, remaining - ANSWER_MARGIN_S)),
+                    request_id=f"{rid}-{failures}", origin=origin, window=window), timeout=remaining)
             except HopRequestError as e:      # nothing left this node: our own state is unsendable
                 raise DownstreamFailed("unsendable", f"cannot send the state to block {block}: {e}") from None
             except RemoteHopError as e:
