@@ -7,6 +7,11 @@ sharing for late joiners. Everything hivemind-specific lives here: the subclass 
 before any tensor moves) and the bounded waits. Callers (the node's round policy) see plain
 tensors in and out: :meth:`round` returns what the group gathered and the averaged tensors, or
 raises :class:`RoundFailed` saying why; nothing here decides whether a result is accepted.
+
+hivemind averages its own shared-memory buffers, a second copy of the block. Between rounds nobody
+reads them (a round writes them first; downloaders get the trainer's weights through ``state``), so
+their pages are given back to the system (:func:`free_shared_pages`) once a round is over: a node
+holds its block once except while it averages (a block's only holder, which tries no round, never).
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ from blocktrain.p2p.inprocess import RunsInThread
 from blocktrain.p2p.process import StopsWithParent, stop_process
 
 __all__ = ["BlockAveragerHandle", "RoundFailed", "RoundResult", "COMPRESSIONS", "make_compression",
-           "patch_8bit_decoder"]
+           "patch_8bit_decoder", "free_shared_pages"]
 
 log = logging.getLogger(__name__)
 # "could not find a group" is the normal outcome of a round with no same-block peer online;
@@ -51,6 +56,30 @@ def make_compression(name: str):
         raise ValueError(f"averaging compression must be one of {', '.join(COMPRESSIONS)}, got {name!r}")
     return table[name]()
 
+
+_MADV_REMOVE = 9   # Linux: free a shared mapping's pages (and their backing store); they read zeros after
+
+
+def free_shared_pages(t: torch.Tensor) -> int:
+    """Give the pages of a shared-memory tensor (``share_memory_()``) back to the system; it reads
+    zeros until written again. Returns the bytes freed: 0 where that is not possible (not Linux,
+    not page-aligned, not shared memory), so callers lose nothing but the saving."""
+    import ctypes
+    import ctypes.util
+    import mmap
+    import sys
+    st = t.untyped_storage()
+    n = (st.nbytes() // mmap.PAGESIZE) * mmap.PAGESIZE
+    if not sys.platform.startswith("linux") or not st.is_shared() or n == 0 or st.data_ptr() % mmap.PAGESIZE:
+        return 0
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return n if _libc.madvise(st.data_ptr(), n, _MADV_REMOVE) == 0 else 0
+
+
+_libc = None
 
 # Traffic counters shared with the averager's child process: bytes sent, bytes received,
 # messages sent, messages received (serialized protobuf sizes of every libp2p stream message).
@@ -265,7 +294,10 @@ class BlockAveragerHandle:
         self.counters = self.averager.bt_counters = mp.RawArray("q", 4)
         if getattr(dht, "bt_in_thread", False):   # its loop runs where its DHT's does
             self.averager.bt_use_thread()
+        self._control = None          # our last step: while it may still run, its buffers are kept
+        self.released_bytes = 0       # the averager's buffer pages freed by the last release
         self.averager.run_in_background(await_ready=True, timeout=start_timeout)
+        self._release()
 
     @property
     def peer_id(self) -> str:
@@ -301,8 +333,8 @@ class BlockAveragerHandle:
         gathered = None
         try:
             self.averager.set_refused(refused)
-            control = self.averager.step(gather=gather, weight=weight, timeout=self.round_timeout,
-                                         allow_retries=False, wait=False)
+            control = self._control = self.averager.step(gather=gather, weight=weight, timeout=self.round_timeout,
+                                                         allow_retries=False, wait=False)
             deadline = time.monotonic() + self.round_timeout + self.allreduce_timeout + 5
             while not control.done():
                 if (cancel is not None and cancel.is_set()) or time.monotonic() > deadline:
@@ -314,12 +346,33 @@ class BlockAveragerHandle:
         except Exception as e:  # hivemind raises on broken rounds; the caller's training goes on
             log.info("averaging round failed: %s", e)
             error = e
-        if not gathered:
-            if error is not None and REFUSED_GROUP in str(error):
-                raise RoundFailed(str(error)[str(error).index(REFUSED_GROUP):], refused=True)
-            raise RoundFailed(f"{type(error).__name__}: {error}" if error is not None else
-                              "no group formed (no same-block peer joined the round)")
-        return RoundResult({str(k): v for k, v in gathered.items()}, self._read())
+        try:
+            if not gathered:
+                if error is not None and REFUSED_GROUP in str(error):
+                    raise RoundFailed(str(error)[str(error).index(REFUSED_GROUP):], refused=True)
+                raise RoundFailed(f"{type(error).__name__}: {error}" if error is not None else
+                                  "no group formed (no same-block peer joined the round)")
+            return RoundResult({str(k): v for k, v in gathered.items()}, self._read())
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        """Free the averager's buffers between rounds, so a node holds its block once, not twice.
+        Nothing reads them then: :meth:`round` writes them first, and downloaders get the trainer's
+        weights (``state``). Kept while a step of ours may still run (a round given up on: its late
+        all-reduce must not send zeros to the group), and when there is no state provider (hivemind
+        would then share the buffers themselves)."""
+        c = self._control
+        if self.averager.bt_state is None or (c is not None and not c.done()):
+            return
+        try:
+            lock = self._locked()
+        except RoundFailed:
+            return
+        try:
+            self.released_bytes = sum(free_shared_pages(s) for s in self.averager._averaged_tensors)
+        finally:
+            lock.release()
 
     def _locked(self):
         lock = self.averager.lock_averaged_tensors

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from blocktrain.node.averaging.rounds import BlockAverager
 from blocktrain.node.trainer import BlockTrainer
@@ -68,6 +69,16 @@ def test_two_averagers_in_one_process_complete_a_round(layout, monkeypatch):
         for d in discs:
             avgs.append(BlockAverager(d.dht, BlockTrainer(tiny_config(), 0, DATA, DATA), "pair",
                                       peer_id=d.peer_id, matchmaking_time=2.0))
+        for a in avgs:   # between rounds the averager's copy of the block is given back (it reads zeros)
+            whole = [t.view(-1)[:1024] for t in a.handle.averager._averaged_tensors if t.numel() >= 1024]
+            assert whole and a.handle.released_bytes >= 4096 * len(whole)   # whole pages only
+            assert all(float(t.abs().sum()) == 0 for t in whole)
+        gen = torch.Generator().manual_seed(5)
+        before = []
+        for k, a in enumerate(avgs):   # make the two replicas differ: the round must average real weights
+            moved = [p.detach() + 0.01 * (k + 1) * torch.randn(p.shape, generator=gen) for p in a.trainer.module.parameters()]
+            a.trainer.adopt_parameters(moved, step=a.trainer.step, samples_seen=a.trainer.samples_seen)
+            before.append([p.detach().clone() for p in a.trainer.module.parameters()])
         out: dict = {}
         ths = [threading.Thread(target=lambda k=k: out.update({k: avgs[k].round()}), daemon=True) for k in (0, 1)]
         for th in ths:
@@ -78,8 +89,33 @@ def test_two_averagers_in_one_process_complete_a_round(layout, monkeypatch):
         failures = [a.stats.last_failure for a in avgs]
         assert all(out.get(k) is not None and out[k].accepted for k in (0, 1)), (out, failures)
         assert [a.stats.succeeded for a in avgs] == [1, 1]
+        mean = [(x + y) / 2 for x, y in zip(*before)]   # equal weights: the plain mean, not a mean with zeros
+        for a in avgs:
+            for got, want in zip(a.trainer.module.parameters(), mean):
+                torch.testing.assert_close(got.detach(), want, rtol=1e-4, atol=1e-5)
+            assert a.handle.released_bytes > 0           # given back again once the round was done
     finally:
         for a in avgs:
             a.shutdown()
         for d in discs:
             d.shutdown(withdraw=False)
+
+
+def test_freed_shared_pages_leave_the_resident_set_and_read_zeros():
+    """free_shared_pages (the averager's buffers between rounds): a 64 MiB shared tensor's pages leave
+    the process's resident shared memory at once; written again, it holds what was written."""
+    from blocktrain.p2p.averager import free_shared_pages
+
+    def shmem_kib() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+
+    t = torch.ones(16 << 20)
+    t.share_memory_()
+    before = shmem_kib()
+    assert free_shared_pages(t) == 64 << 20
+    assert before - shmem_kib() >= 60 << 10, (before, shmem_kib())
+    assert float(t.abs().sum()) == 0
+    t.fill_(2.0)
+    assert float(t.sum()) == 2.0 * (16 << 20)
+    assert free_shared_pages(torch.ones(1024)) == 0     # not shared memory: nothing to give, nothing lost

@@ -68,9 +68,12 @@ def test_cosine_schedule_decays_every_arm_over_its_own_budget(tmp_path):
     # every worker decayed over the bench's wall time from its first step: well below the peak by the end
     workers = res["runs"]["pipeline"]["workers"]
     assert all(w["lr_last"] is not None and 0.1 * peak - 1e-12 <= w["lr_last"] < 0.6 * peak for w in workers), workers
-    # the one-block reference: one process per budget (wall, CPU), each at a tenth of the peak by its end
+    # the one-block reference: one process per budget (wall, CPU), each at a tenth of the peak by its end;
+    # each stopped at its own budget (how many steps each made depends on the machine's load: not asserted)
     one, fair = res["references"]["one_block"], res["references"]["one_block_cpu"]
-    assert one["train_wall_s"] >= 6 and one["steps"] > fair["steps"] > 0
+    assert one["train_wall_s"] >= 6 and one["steps"] > 0
+    assert fair["steps"] > 0 and fair["cpu_budget_s"] == fair["worker_cpu_s"]["mean"] > 0
+    assert fair["cpu_s"] >= round(fair["cpu_budget_s"], 2) - 0.01
     # the progress line reads each from its own process
     assert f"{one['ce']:.4f} after {one['train_wall_s']:.0f}s of wall time ({one['steps']} steps" in out.stderr
     assert f"one-block CE {fair['ce']:.4f} at {fair['cpu_s']:.0f} CPU-s ({fair['steps']} steps" in out.stderr
