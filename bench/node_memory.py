@@ -20,8 +20,9 @@ Method, per layout measured (``LAYOUTS``; each a fresh ``bt-node seed`` process,
     no other process maps): both FALL as other processes on the machine map the same libraries
     (libtorch's pages with every other torch process), so they flatter a node on a busy machine;
     reported, not judged. Open file descriptors too;
-* the block's own tensors: parameters, gradients, AdamW's two moments, and the averager's copy of
-  the parameters (5 x parameter bytes, counted from the block built here from the same config);
+* the block's own tensors: parameters, gradients and AdamW's two moments (4 x parameter bytes,
+  counted from the block built here from the same config; the averager's copy of the parameters is
+  resident only during a round, which a lone node never runs: ``p2p/averager.py``);
   ``overhead = total RSS - tensors`` (also given from alone and from PSS), against
   ``TARGET_OVERHEAD_MB`` (issue 15: 300 MB);
 * stop the node with SIGINT (SIGKILL of its whole tree if it is not gone within 60 s).
@@ -46,7 +47,7 @@ from blocktrain.blocks.objectives import get_objective
 
 MB = 1e6   # figures in MB (10^6 bytes), as the target is stated
 TARGET_OVERHEAD_MB = 300.0   # issue 15: "at most 300 MB"
-TENSOR_COPIES = 5   # parameters, gradients, AdamW exp_avg and exp_avg_sq, the averager's copy
+TENSOR_COPIES = 4   # parameters, gradients, AdamW exp_avg and exp_avg_sq (the averager's copy: rounds only)
 KINDS = ("main", "dht", "averager", "p2pd", "torch_shm_manager", "other")
 
 # layout name -> (what it is, environment). Each layout starts from the bench's environment without

@@ -222,7 +222,8 @@ def bench_node_memory_cmd(overrides, layouts, data, settle, samples, interval, h
 
     \b
     RSS per process (main, DHT, averager, p2pd, torch_shm_manager), the block's tensors (params,
-    grads, AdamW moments, the averager's copy) and overhead = total RSS - tensors, against 300 MB
+    grads, AdamW moments; the averager's copy is resident during rounds only, which a lone node never
+    runs) and overhead = total RSS - tensors, against 300 MB
     (RSS does not depend on what else runs; PSS and USS, also given, fall as other processes
     share libtorch's pages; "alone" counts the node's distinct physical pages, root only).
     Example:

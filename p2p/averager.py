@@ -15,8 +15,12 @@ holds its block once except while it averages (a block's only holder, which trie
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
+import mmap
 import multiprocessing as mp
+import sys
 import threading
 import time
 import weakref
@@ -64,10 +68,6 @@ def free_shared_pages(t: torch.Tensor) -> int:
     """Give the pages of a shared-memory tensor (``share_memory_()``) back to the system; it reads
     zeros until written again. Returns the bytes freed: 0 where that is not possible (not Linux,
     not page-aligned, not shared memory), so callers lose nothing but the saving."""
-    import ctypes
-    import ctypes.util
-    import mmap
-    import sys
     st = t.untyped_storage()
     n = (st.nbytes() // mmap.PAGESIZE) * mmap.PAGESIZE
     if not sys.platform.startswith("linux") or not st.is_shared() or n == 0 or st.data_ptr() % mmap.PAGESIZE:
