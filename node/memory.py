@@ -14,8 +14,9 @@ raises it on every free of a mapped block (torch's import frees many), up to 32 
 allocation under it comes from a heap that keeps its high-water mark and fragments. A large block's
 activations (12-50 MB each at d_model 768) then outlive their tensors in the RSS: without the pin a
 d_model-768 middle block (4 micro-batches in flight, recompute) peaked 286 MiB higher, the whole-size
-model's process 791 MiB (``bt-node bench memory --allocator glibc`` vs ``node``, docs/records/s17). Allocations of 4 MiB and more get their own mapping and
-leave the RSS when freed; a tiny model's are all smaller, so a tiny node runs as before (its training
+model's process 791 MiB (``bt-node bench memory --allocator glibc`` vs ``node``, docs/records/s17), for
+about 5% more CPU in that block's step (docs/records/s19). Allocations of 4 MiB and more get their own
+mapping and leave the RSS when freed; a tiny model's are all smaller, so a tiny node runs as before (its training
 thread's arena and CPU per step unchanged: ``bench/trainer_arena.py``).
 
 :func:`release_startup_pages`, called once when the node has started, drops this process's page-table
