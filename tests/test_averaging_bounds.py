@@ -43,10 +43,28 @@ def test_a_round_gives_up_on_a_held_tensor_lock_in_bounded_time():
             assert out["v"] is None and "busy with an earlier all-reduce" in avg.stats.last_failure
             assert 6.5 <= waited < 15, waited            # the bound: allreduce_timeout + 5 s
             assert avg.stats.failed == 1
+            # the buffers are given back between rounds, never while a step of ours may still run: a
+            # round given up on may still all-reduce, and must not send zeros to its group
+            h, step = avg.handle, _Step()
+            h._write([p.detach() for p in avg.trainer.module.parameters()])
+            h._control = step
+            h._release()
+            paged = [t for t in h.averager._averaged_tensors if t.numel() >= 1024]   # whole pages to free
+            assert any(float(t.abs().sum()) > 0 for t in paged)                       # kept
+            step.finished = True
+            h._release()
+            assert h.released_bytes > 0 and all(float(t.abs().sum()) == 0 for t in paged)
         finally:
             avg.shutdown()
     finally:
         disc.shutdown(withdraw=False)
+
+
+class _Step:   # hivemind's StepControl as _release sees it: done() or not
+    finished = False
+
+    def done(self) -> bool:
+        return self.finished
 
 
 @pytest.mark.parametrize("layout", ["thread", "process"])
