@@ -94,7 +94,8 @@ def test_two_averagers_in_one_process_complete_a_round(layout, monkeypatch):
         gen = torch.Generator().manual_seed(5)
         before = []
         for k, a in enumerate(avgs):   # make the two replicas differ: the round must average real weights
-            moved = [p.detach() + 0.01 * (k + 1) * torch.randn(p.shape, generator=gen) for p in a.trainer.module.parameters()]
+            moved = [p.detach() + 0.01 * (k + 1) * torch.randn(p.shape, generator=gen)
+                     for p in a.trainer.module.parameters()]
             a.trainer.adopt_parameters(moved, step=a.trainer.step, samples_seen=a.trainer.samples_seen)
             before.append([p.detach().clone() for p in a.trainer.module.parameters()])
         out: dict = {}

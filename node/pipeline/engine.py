@@ -38,12 +38,13 @@ downstream on the h_b this stage sent) is backpropagated through the function th
 h_b, and the parameter gradient is added to the block's live gradients. Without it the recompute
 uses the current weights: the gradient is then that of a different h_b than the one sent. Both are
 delayed gradients; the default (``inflight`` 1) has none.
-With ``recompute`` (GPipe's re-materialisation, off by default) a held micro-batch keeps no graph at all:
-its forward runs without one and keeps only its input (h_{b-1}, or block 0's bytes) and the random
-state it started from; its output goes to the wire and is not kept (a retry after a failed call runs
-the forward again, the same bits: ``resent_recomputed``); its backward runs the forward again from them
-with a graph (the same dropout masks) and backpropagates at once. A holder then keeps at most one graph however many micro-batches
-it holds, for one more forward of the block per micro-batch; the gradients are those of the kept graph.
+With ``recompute`` (GPipe's re-materialisation, off by default) a held micro-batch keeps no graph at
+all: its forward runs without one and keeps only its input (h_{b-1}, or block 0's bytes) and the random
+state it started from; its output goes to the wire and is not kept (a retry after a failed call runs the
+forward again, the same bits: ``resent_recomputed``); its backward runs the forward again from them with
+a graph (the same dropout masks) and backpropagates at once. A holder then keeps at most one graph
+however many micro-batches it holds, for one more forward of the block per micro-batch; the gradients
+are those of the kept graph.
 Memory: a stage holds at most ``max_stash`` micro-batches between forward and backward and answers
 ``busy`` beyond that; a block-0 holder at most ``inflight``; weight copies at most one per held
 micro-batch (shared by those of one version; :meth:`stash_bytes` reports them). Faults: every call

@@ -10,4 +10,5 @@ for b in sorted(rows):
     first = r[0]
     hwm_at = lambda s: max([h for t, h, _ in r if t - t0 <= s] or [0])
     print(f"block {b}: samples {len(r)} span {r[-1][0]-t0}s first RSS {first[2]:.0f} HWM {first[1]:.0f}; "
-          f"HWM@30s {hwm_at(30):.0f} @60 {hwm_at(60):.0f} @120 {hwm_at(120):.0f} @150 {hwm_at(150):.0f} last HWM {r[-1][1]:.0f} last RSS {r[-1][2]:.0f}")
+          f"HWM@30s {hwm_at(30):.0f} @60 {hwm_at(60):.0f} @120 {hwm_at(120):.0f} @150 {hwm_at(150):.0f} "
+          f"last HWM {r[-1][1]:.0f} last RSS {r[-1][2]:.0f}")
