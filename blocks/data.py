@@ -15,10 +15,17 @@ source (plus an optional evaluation source) into a :class:`DataSplit` of train a
 bytes with a protocol label that must be reported next to every figure.
 
 How windows of bytes are cut from them for training and evaluation lives in ``windows.py``.
+
+``file_backed=True`` (what a node asks for) leaves the training bytes of a single file on disk: a
+:class:`FileBytes` reads each window when it is drawn (``os.pread``), so a node holds none of its
+corpus in memory (a pipeline stage that draws no window never reads it); evaluation bytes, small
+and read over and over, are always held in memory.
 """
 from __future__ import annotations
 
+import hashlib
 import os
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +33,8 @@ import numpy as np
 
 __all__ = [
     "DataError", "ByteCorpus", "DataSplit", "HF_DATASETS", "TEXT_SUFFIXES",
-    "load_source", "resolve_data", "describe_bytes", "carve_validation",
+    "load_source", "resolve_data", "describe_bytes", "carve_validation", "FileBytes", "sha256_of",
+    "gather_windows",
 ]
 
 
@@ -95,7 +103,144 @@ class ByteCorpus:
                         f"(found: {', '.join(sorted(self.splits))})")
 
 
-def _read_file(path: Path) -> np.ndarray:
+class _OpenFile:
+    """One open file descriptor shared by a :class:`FileBytes` and its slices; closed when the last
+    of them is collected. Records the file's size and modification time at open: a read that finds
+    either changed (the file was truncated or rewritten in place) raises :class:`DataError` instead
+    of training on other bytes, or on none (a file replaced by a rename is not seen: the open file
+    keeps the bytes it had)."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+        weakref.finalize(self, os.close, self.fd)
+        st = os.fstat(self.fd)
+        self.path, self.size, self.mtime_ns = path, st.st_size, st.st_mtime_ns
+
+    def check(self) -> None:
+        try:
+            st = os.fstat(self.fd)
+        except OSError as e:
+            raise DataError(f"{self.path}: cannot read ({e.strerror or e})") from None
+        if (st.st_size, st.st_mtime_ns) != (self.size, self.mtime_ns):
+            raise DataError(f"{self.path}: the file changed after it was opened ({describe_bytes(self.size)} "
+                            f"then, {describe_bytes(st.st_size)} now); restart to train on the new bytes")
+
+    def read(self, offset: int, n: int) -> bytes:
+        try:
+            blob = os.pread(self.fd, n, offset)
+        except OSError as e:
+            raise DataError(f"{self.path}: cannot read ({e.strerror or e})") from None
+        if len(blob) != n:
+            self.check()
+            raise DataError(f"{self.path}: short read at byte {offset:,} ({len(blob)} of {n}); "
+                            "the file changed after it was opened")
+        return blob
+
+
+class FileBytes:
+    """The bytes ``[start, stop)`` of a file, read when asked for instead of held in memory.
+
+    Enough of a 1-D uint8 array for this package: ``len``, integer and contiguous-slice indexing
+    (a slice is another view of the same open file), :func:`gather_windows`, :func:`sha256_of`, and
+    ``np.asarray`` (which reads the whole range into memory). Reads are positional (``os.pread``):
+    safe from any thread. Each batch of windows first checks the file is unchanged (one ``fstat``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, _file: _OpenFile | None = None,
+                 _start: int = 0, _stop: int | None = None) -> None:
+        self._file = _file or _OpenFile(Path(path))
+        self.start = _start
+        self.stop = self._file.size if _stop is None else _stop
+        self.dtype = np.dtype(np.uint8)
+        self.ndim = 1
+
+    @property
+    def path(self) -> Path:
+        return self._file.path
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self),)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __repr__(self) -> str:
+        return f"FileBytes({str(self.path)!r}, bytes {self.start:,}..{self.stop:,})"
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            lo, hi, step = key.indices(len(self))
+            if step != 1:
+                raise TypeError("FileBytes: only contiguous slices (step 1)")
+            hi = max(lo, hi)
+            return FileBytes(self.path, _file=self._file, _start=self.start + lo, _stop=self.start + hi)
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + (len(self) if key < 0 else 0)
+            if not 0 <= i < len(self):
+                raise IndexError(f"index {int(key)} out of range for {len(self)} bytes")
+            return self._file.read(self.start + i, 1)[0]
+        raise TypeError(f"FileBytes: index with an int or a slice (got {type(key).__name__}); "
+                        "use gather_windows for windows")
+
+    def read(self, lo: int = 0, hi: int | None = None) -> bytes:
+        """The bytes ``[lo, hi)`` of this view."""
+        hi = len(self) if hi is None else hi
+        self._file.check()
+        return self._file.read(self.start + lo, hi - lo)
+
+    def windows(self, starts: np.ndarray, width: int) -> np.ndarray:
+        """``(len(starts), width)`` uint8: the ``width`` bytes at each start (of this view)."""
+        starts = np.asarray(starts, dtype=np.int64).reshape(-1)
+        if starts.size and (starts.min() < 0 or starts.max() + width > len(self)):
+            raise IndexError(f"windows of {width} bytes at starts {starts.min()}..{starts.max()} "
+                             f"fall outside {len(self)} bytes")
+        self._file.check()
+        out = np.empty((starts.size, width), dtype=np.uint8)
+        for row, s in enumerate(starts.tolist()):
+            out[row] = np.frombuffer(self._file.read(self.start + s, width), dtype=np.uint8)
+        return out
+
+    def chunks(self, size: int = 1 << 20):
+        """The bytes in order, ``size`` at a time (hashing without holding the file)."""
+        self._file.check()
+        for lo in range(0, len(self), size):
+            yield self._file.read(self.start + lo, min(size, len(self) - lo))
+
+    def tobytes(self) -> bytes:
+        return self.read()
+
+    def __array__(self, dtype=None, copy=None):
+        arr = np.frombuffer(bytearray(self.read()), dtype=np.uint8)
+        return arr if dtype is None else arr.astype(dtype)
+
+
+def gather_windows(data, starts: np.ndarray, width: int) -> np.ndarray:
+    """``(len(starts), width)`` uint8 windows of ``data`` (an array or a :class:`FileBytes`)."""
+    if isinstance(data, FileBytes):
+        return data.windows(starts, width)
+    return data[np.asarray(starts, dtype=np.int64)[:, None] + np.arange(width, dtype=np.int64)]
+
+
+def sha256_of(data) -> str:
+    """Hex sha256 of the bytes of ``data`` (an array or a :class:`FileBytes`, read a MiB at a time)."""
+    if isinstance(data, FileBytes):
+        h = hashlib.sha256()
+        for blob in data.chunks():
+            h.update(blob)
+        return h.hexdigest()
+    return hashlib.sha256(np.ascontiguousarray(data).tobytes()).hexdigest()
+
+
+def _read_file(path: Path, file_backed: bool = False) -> np.ndarray | FileBytes:
+    if file_backed:
+        fb = FileBytes(path)
+        if len(fb) == 0:
+            raise DataError(f"{path}: file is empty")
+        return fb
     try:
         arr = np.fromfile(path, dtype=np.uint8)
     except OSError as e:
@@ -110,16 +255,16 @@ def _is_binary(path: Path) -> bool:
         return b"\x00" in f.read(_BINARY_PROBE)
 
 
-def _load_folder(path: Path) -> ByteCorpus:
+def _load_folder(path: Path, file_backed: bool = False) -> ByteCorpus:
     name = path.name or str(path)
     wiki = {s: path / f for s, f in _WIKI_FILES.items() if (path / f).is_file()}
     if wiki:
-        splits = {s: _read_file(p) for s, p in wiki.items()}
+        splits = {s: _read_file(p, file_backed) for s, p in wiki.items()}
         labels = {s: f"{name}/{p.name}" for s, p in wiki.items()}
         return ByteCorpus(name, "wikitext-raw", splits, labels, source=str(path))
     if (path / "train.txt").is_file():
         tt = {s: path / f"{s}.txt" for s in ("train", "valid", "test") if (path / f"{s}.txt").is_file()}
-        splits = {s: _read_file(p) for s, p in tt.items()}
+        splits = {s: _read_file(p, file_backed) for s, p in tt.items()}
         labels = {s: f"{name}/{p.name}" for s, p in tt.items()}
         return ByteCorpus(name, "train-test", splits, labels, source=str(path))
 
@@ -185,10 +330,13 @@ def _load_hf(src: str) -> ByteCorpus:
     return ByteCorpus(config, "hf", splits, labels, source=src)
 
 
-def load_source(src: str | os.PathLike[str], *, dataset_only: bool = False) -> ByteCorpus:
+def load_source(src: str | os.PathLike[str], *, dataset_only: bool = False,
+                file_backed: bool = False) -> ByteCorpus:
     """Read a data source (file, WikiText raw folder, train.txt/test.txt folder, folder of text
     files, or ``wikitext-2`` / ``wikitext-103``) into a :class:`ByteCorpus`. ``dataset_only``: a
-    dataset name only, never a path (for names that came from the network)."""
+    dataset name only, never a path (for names that came from the network). ``file_backed``: each
+    split that is one whole file stays on disk as a :class:`FileBytes` (a folder of text files and
+    a Hugging Face dataset are joined in memory all the same)."""
     text = os.fspath(src)
     if not text:
         raise DataError("empty data source (expected a file, a folder, or wikitext-2 / wikitext-103)")
@@ -198,9 +346,10 @@ def load_source(src: str | os.PathLike[str], *, dataset_only: bool = False) -> B
         return _load_hf(text)
     path = Path(text).expanduser()
     if path.is_file():
-        return ByteCorpus(path.name, "file", {"all": _read_file(path)}, {"all": path.name}, source=str(path))
+        return ByteCorpus(path.name, "file", {"all": _read_file(path, file_backed)}, {"all": path.name},
+                          source=str(path))
     if path.is_dir():
-        return _load_folder(path)
+        return _load_folder(path, file_backed)
     if text in HF_DATASETS:
         return _load_hf(text)
     if path.exists():
@@ -292,7 +441,8 @@ def _pct(x: float) -> str:
 
 
 def resolve_data(src: str | os.PathLike[str], eval_src: str | os.PathLike[str] | None = None,
-                 holdout: float = 0.05, *, seq_len: int | None = None, dataset_only: bool = False) -> DataSplit:
+                 holdout: float = 0.05, *, seq_len: int | None = None, dataset_only: bool = False,
+                 file_backed: bool = False) -> DataSplit:
     """Resolve train and evaluation bytes.
 
     - WikiText raw folder with ``wiki.train.raw``: train = train, eval = test
@@ -307,13 +457,15 @@ def resolve_data(src: str | os.PathLike[str], eval_src: str | os.PathLike[str] |
     ``eval_src``, when given, always replaces the evaluation split
     (protocol ``train=NAME, eval=NAME``). With ``seq_len``, each split must hold at least one
     window of ``seq_len + 1`` bytes (a held-out source at least ``2 * seq_len + 2``).
+    ``file_backed``: training bytes that are one whole file (or a part of one) stay on disk as a
+    :class:`FileBytes`; the evaluation bytes are always read into memory.
     """
     if not (0.0 < holdout < 1.0):
         raise DataError(f"holdout must be in (0, 1), got {holdout!r}")
     if seq_len is not None and seq_len < 1:
         raise DataError(f"seq_len must be >= 1, got {seq_len!r}")
     window = (seq_len + 1) if seq_len is not None else 2
-    corpus = load_source(src, dataset_only=dataset_only)
+    corpus = load_source(src, dataset_only=dataset_only, file_backed=file_backed)
     s, lab = corpus.splits, corpus.labels
 
     evaluation: np.ndarray | None = None
@@ -374,6 +526,8 @@ def resolve_data(src: str | os.PathLike[str], eval_src: str | os.PathLike[str] |
         eval_name = f"{train_name}[last {_pct(holdout)}]"
         train_name = f"{train_name}[first {_pct(1 - holdout)}]"
 
+    if isinstance(evaluation, FileBytes):
+        evaluation = np.asarray(evaluation)   # small, and read window by window many times over
     for what, arr, name in (("train", train, train_name), ("eval", evaluation, eval_name)):
         if len(arr) < window:
             raise DataError(f"{name or corpus.source}: {what} data too small: {describe_bytes(len(arr))}, "

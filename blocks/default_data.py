@@ -47,18 +47,21 @@ def stdlib_text_file(cache_dir: Path, max_bytes: int = 4_000_000) -> Path:
     return out
 
 
-def resolve_default(spec: str, seq_len: int, cache_dir: Path) -> tuple[DataSplit, str]:
-    """Resolve ``spec`` (``auto`` or any SRC) to a split; returns (split, the spec actually used)."""
+def resolve_default(spec: str, seq_len: int, cache_dir: Path, *,
+                    file_backed: bool = False) -> tuple[DataSplit, str]:
+    """Resolve ``spec`` (``auto`` or any SRC) to a split; returns (split, the spec actually used).
+    ``file_backed``: as :func:`~blocktrain.blocks.data.resolve_data` (training bytes left on disk)."""
+    fb = {"seq_len": seq_len, "file_backed": file_backed}
     if spec != AUTO:
-        return resolve_data(spec, seq_len=seq_len), spec
+        return resolve_data(spec, **fb), spec
     wt = _shared_wikitext()
     if wt is not None:
-        return resolve_data(str(wt), seq_len=seq_len), str(wt)
+        return resolve_data(str(wt), **fb), str(wt)
     try:
-        return resolve_data("wikitext-2", seq_len=seq_len), "wikitext-2"
+        return resolve_data("wikitext-2", **fb), "wikitext-2"
     except DataError:
         f = stdlib_text_file(cache_dir)
-        return resolve_data(str(f), seq_len=seq_len), str(f)
+        return resolve_data(str(f), **fb), str(f)
 
 
 def is_dataset_name(spec: str) -> bool:
@@ -66,14 +69,15 @@ def is_dataset_name(spec: str) -> bool:
     return spec in HF_DATASETS
 
 
-def resolve_named(name: str, seq_len: int, cache_dir: Path) -> tuple[DataSplit, str]:
+def resolve_named(name: str, seq_len: int, cache_dir: Path, *,
+                  file_backed: bool = False) -> tuple[DataSplit, str]:
     """Resolve ``auto`` or a dataset NAME through this machine's own known sources (the shared
     WikiText-2 copy, Hugging Face ``datasets``): never as a path, whatever files exist here."""
     if name == AUTO:
-        return resolve_default(AUTO, seq_len, cache_dir)
+        return resolve_default(AUTO, seq_len, cache_dir, file_backed=file_backed)
     if not is_dataset_name(name):
         raise DataError(f"{name!r} is not a known dataset name ({', '.join(sorted(HF_DATASETS))})")
     wt = _shared_wikitext()
     if wt is not None and HF_DATASETS[name] == "wikitext-2-raw-v1":
-        return resolve_data(str(wt), seq_len=seq_len), str(wt)
+        return resolve_data(str(wt), seq_len=seq_len, file_backed=file_backed), str(wt)
     return resolve_data(name, seq_len=seq_len, dataset_only=True), name

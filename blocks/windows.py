@@ -11,12 +11,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from .data import DataError, describe_bytes
+from .data import DataError, FileBytes, describe_bytes, gather_windows
 
 __all__ = ["WindowSampler", "eval_windows", "text_windows"]
 
 
-def _as_bytes_array(data: Any, what: str) -> np.ndarray:
+def _as_bytes_array(data: Any, what: str) -> np.ndarray | FileBytes:
+    if isinstance(data, FileBytes):
+        return data   # read window by window, never held whole
     if isinstance(data, torch.Tensor):
         data = data.detach().cpu().numpy()
     if isinstance(data, (bytes, bytearray, memoryview)):
@@ -52,7 +54,6 @@ class WindowSampler:
         self.seed = int(seed)
         self.worker_id = int(worker_id)
         self._rng = np.random.default_rng([self.seed, self.worker_id])
-        self._offsets = np.arange(self.window, dtype=np.int64)
         self.batches_drawn = 0
         self.windows_drawn = 0
 
@@ -67,7 +68,7 @@ class WindowSampler:
     def next_batch(self, batch_size: int) -> torch.Tensor:
         """A ``LongTensor`` of shape ``(batch_size, seq_len + 1)``."""
         starts = self.next_starts(batch_size)
-        return torch.from_numpy(self.data[starts[:, None] + self._offsets]).long()
+        return torch.from_numpy(gather_windows(self.data, starts, self.window)).long()
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -117,7 +118,7 @@ def eval_windows(data: Any, seq_len: int, n_windows: int, seed: int = 0) -> torc
     if seed != 0 and spacing > window:
         offset = int(np.random.default_rng([int(seed), 0x5EED]).integers(0, spacing - window + 1))
     starts = offset + spacing * np.arange(n, dtype=np.int64)
-    return torch.from_numpy(arr[starts[:, None] + np.arange(window, dtype=np.int64)]).long()
+    return torch.from_numpy(gather_windows(arr, starts, window)).long()
 
 
 def text_windows(text: bytes, seq_len: int, max_windows: int = 16) -> torch.Tensor:

@@ -211,7 +211,8 @@ class Node:
             raise ConfigMismatchError(f"run {o.run_id!r} already exists with config {existing.config_hash}; "
                                       f"this node's config is {o.config.config_hash}")
         self.cfg, self.run_id = o.config, o.run_id
-        self.split, self.data_used = resolve_default(o.data or AUTO, self.cfg.seq_len, o.checkpoint_dir)
+        self.split, self.data_used = resolve_default(o.data or AUTO, self.cfg.seq_len, o.checkpoint_dir,
+                                                     file_backed=True)
         self.manifest = existing or RunManifest(
             run_id=o.run_id, model_config=o.config.to_dict(), config_hash=o.config.config_hash,
             data_spec=published_data_spec(o.data or AUTO, self.split), target_seed=o.config.target_seed,

@@ -17,12 +17,11 @@ member passes ``--data`` itself.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 from typing import Callable
 
 from blocktrain.blocks.config import ModelConfig
-from blocktrain.blocks.data import DataSplit
+from blocktrain.blocks.data import DataSplit, sha256_of
 from blocktrain.blocks.default_data import AUTO, is_dataset_name, resolve_default, resolve_named
 from blocktrain.p2p.addresses import peer_id_of
 from blocktrain.p2p.errors import ConfigMismatchError, RecordError, RunNotFoundError
@@ -86,16 +85,17 @@ def published_data_spec(local_spec: str, split: DataSplit) -> str:
     of its training bytes (members bring their own copy)."""
     if local_spec == AUTO or is_dataset_name(local_spec):
         return local_spec
-    return "sha256:" + hashlib.sha256(split.train.tobytes()).hexdigest()
+    return "sha256:" + sha256_of(split.train)
 
 
 def member_data(published: str, local: str | None, seq_len: int, cache_dir) -> tuple[DataSplit, str]:
-    """The data this member trains on: its own ``--data`` if given, else the run's named dataset."""
+    """The data this member trains on: its own ``--data`` if given, else the run's named dataset.
+    Training bytes of a file stay on disk (read window by window: a node holds none of its corpus)."""
     if local:
-        return resolve_default(local, seq_len, cache_dir)
+        return resolve_default(local, seq_len, cache_dir, file_backed=True)
     if published.startswith("sha256:"):
         raise DataSpecError(f"this run trains on private data ({published}); pass --data with your copy of it")
     if published != AUTO and not is_dataset_name(published):
         raise DataSpecError(f"the run's manifest names data {published!r}, which is not a public dataset; "
                             "refusing to read it from this machine. Pass --data to choose your own")
-    return resolve_named(published, seq_len, cache_dir)
+    return resolve_named(published, seq_len, cache_dir, file_backed=True)
