@@ -57,3 +57,25 @@ def write_bytes(data: bytes) -> Callable[[Path], None]:
             f.write(data)
             f.flush()
     return write
+
+
+def atomic_write_named(draft: Path, write: Callable[[Path], str], name: Callable[[str], Path]) -> tuple[Path, bool]:
+    """Like :func:`atomic_write` for a file named after what was written (a content hash):
+    ``write(tmp)`` writes the temporary file beside ``draft`` and returns a key, ``name(key)`` is the
+    final path. If that file already exists (the same content), the new one is dropped. Returns the
+    final path and whether this call created it. On any failure the temporary file is removed."""
+    draft.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_path(draft)
+    try:
+        final = name(write(tmp))
+        if final.exists():
+            tmp.unlink()
+            return final, False
+        _fsync_path(tmp)
+        os.replace(tmp, final)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(final.parent)
+    return final, True

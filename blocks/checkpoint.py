@@ -38,7 +38,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .atomic import atomic_write, write_bytes
+from .atomic import atomic_write, atomic_write_named, write_bytes
 from .config import ConfigError, ModelConfig
 
 __all__ = [
@@ -138,6 +138,31 @@ def _prepare_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     return out
 
 
+class _HashingWriter:
+    """A binary file that hashes what goes through it (torch.save writes a record at a time)."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, b) -> int:
+        self.sha.update(b)
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _save_hashed(obj, tmp: Path, digests: list[str]) -> str:
+    """``torch.save`` straight into ``tmp`` (no in-memory copy of the whole state: for a block's AdamW
+    moments that copy was twice the block's size); returns (and appends to ``digests``) its sha256."""
+    with open(tmp, "xb") as f:
+        w = _HashingWriter(f)
+        torch.save(obj, w)
+        w.flush()
+    digests.append(w.sha.hexdigest())
+    return digests[-1]
+
+
 def _optimizer_glob(path: Path) -> str:
     return glob.escape(path.stem) + ".optim-*.pt"
 
@@ -176,16 +201,12 @@ def _save(path: str | os.PathLike[str], state_dict: dict[str, torch.Tensor], *, 
     optim_path: Path | None = None
     optim_created = False
     if optimizer_state is not None:
-        buf = io.BytesIO()
-        torch.save(optimizer_state, buf)
-        blob = buf.getvalue()
-        digest = hashlib.sha256(blob).hexdigest()
-        optim_path = path.with_name(f"{path.stem}.optim-{digest[:16]}.pt")
-        if not optim_path.exists():  # same content already there (named by its hash): reuse
-            atomic_write(optim_path, write_bytes(blob))
-            optim_created = True
+        written: list[str] = []
+        optim_path, optim_created = atomic_write_named(
+            path.with_name(f"{path.stem}.optim.pt"), lambda tmp: _save_hashed(optimizer_state, tmp, written),
+            lambda digest: path.with_name(f"{path.stem}.optim-{digest[:16]}.pt"))
         meta["optimizer_file"] = optim_path.name
-        meta["optimizer_sha256"] = digest
+        meta["optimizer_sha256"] = written[0]
 
     try:
         atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))

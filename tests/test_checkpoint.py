@@ -264,3 +264,71 @@ def test_save_rejects_bad_arguments(tmp_path):
     with pytest.raises(CheckpointError, match="step"):
         save_block(tmp_path / "x.safetensors", sd, config=CFG, block_index=0, step=-1, samples_seen=0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_crash_while_the_optimizer_state_streams_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """The optimizer state is written straight into its temporary file: dying half-way through leaves
+    the previous checkpoint whole and no temporary file; saving the same state twice reuses its file."""
+    path = tmp_path / block_filename(1)
+    old_model, old_opt = _model_and_optimizer(1)
+    save_block(path, old_model.state_dict(), config=CFG, block_index=1, step=10, samples_seen=160,
+               optimizer_state=old_opt.state_dict())
+    files_before = sorted(p.name for p in tmp_path.iterdir())
+    writes = []
+    real_write = ckpt._HashingWriter.write
+
+    def dies_half_way(self, b):
+        writes.append(len(b))
+        if len(writes) == 3:
+            raise KeyboardInterrupt("killed mid-write")
+        return real_write(self, b)
+
+    monkeypatch.setattr(ckpt._HashingWriter, "write", dies_half_way)
+    new_model, new_opt = _model_and_optimizer(2)
+    with pytest.raises((KeyboardInterrupt, RuntimeError)):   # torch's zip writer may re-raise as its own
+        save_block(path, new_model.state_dict(), config=CFG, block_index=1, step=20, samples_seen=320,
+                   optimizer_state=new_opt.state_dict())
+    monkeypatch.undo()
+    assert len(writes) == 3 and _leftovers(tmp_path) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == files_before
+    assert load_block(path).step == 10
+    save_block(path, old_model.state_dict(), config=CFG, block_index=1, step=11, samples_seen=176,
+               optimizer_state=old_opt.state_dict())
+    assert sorted(p.name for p in tmp_path.iterdir()) == files_before and _leftovers(tmp_path) == []
+    ck = load_block(path)
+    assert ck.step == 11
+    assert torch.equal(ck.optimizer_state["state"][0]["exp_avg_sq"], old_opt.state_dict()["state"][0]["exp_avg_sq"])
+
+
+_SAVE_PEAK = """
+import sys, torch
+from blocktrain.blocks.checkpoint import save_block
+from blocktrain.blocks.config import ModelConfig
+def kib(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1])
+w = {"w": torch.randn(4096, 4096)}                                   # 64 MiB of weights
+opt = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(4096, 4096),
+                     "exp_avg_sq": torch.rand(4096, 4096)}}, "param_groups": [{"lr": 1e-3, "params": [0]}]}
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")                                                     # VmHWM := VmRSS
+before = kib("VmRSS:")
+save_block(sys.argv[1], w, config=ModelConfig(d_model=16, n_heads=2, n_blocks=3, seq_len=32), block_index=0,
+           step=1, samples_seen=1, optimizer_state=opt)
+print((kib("VmHWM:") - before) / 1024)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="resets VmHWM through /proc")
+def test_saving_holds_no_copy_of_the_optimizer_state(tmp_path):
+    """A checkpoint of a block with 64 MiB of weights and 128 MiB of AdamW moments: the save's peak
+    above what the process held is a few MiB, not a serialized copy of the state (128 MiB and more,
+    as when the state went through an in-memory buffer first)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _SAVE_PEAK, str(tmp_path / block_filename(0))],
+                         capture_output=True, text=True, timeout=120, check=True)
+    grew = float(out.stdout.split()[-1])
+    assert grew < 24, grew
+    assert load_block(tmp_path / block_filename(0)).optimizer_state["state"][0]["exp_avg"].shape == (4096, 4096)
