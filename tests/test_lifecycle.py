@@ -417,3 +417,37 @@ def test_a_slow_training_step_still_ends_in_a_final_checkpoint(anchor, tmp_path)
         assert not wait_gone(procs, EXIT_BOUND_S), describe(procs)
     finally:
         kill_all(cmd, procs)
+
+
+def test_a_training_file_changed_under_a_node_stops_it_with_the_reason_and_its_checkpoint(anchor, tmp_path):
+    """A node reads its training windows from the file as it draws them (it holds none of its corpus in
+    memory); a file truncated under it must not feed it other bytes, nor crash it: its train loop stops
+    with the file named, the node leaves (exit 1, the reason printed) with its final checkpoint written
+    and nothing left running."""
+    import shutil
+    data = tmp_path / "data"
+    shutil.copytree(TEST_CORPUS, data)
+    args = ["seed", "--run-id", "lc-data", *SETS, "--block", "0", "--initial-peers", anchor["maddrs"][0],
+            *NODE_ARGS, "--checkpoint-dir", str(tmp_path / "ckpt"), "--ready-file", str(tmp_path / "ready.json"),
+            "--quiet"]
+    args[args.index("--data") + 1] = str(data)
+    cmd = Command(args, tmp_path / "log")
+    procs: list = []
+    try:
+        info = _ready(cmd, tmp_path / "ready.json")
+        procs.extend(cmd.tree())
+        port = info["http_port"]
+        step = wait_for(lambda: _status(port)["self"]["step"] >= 2 and _status(port)["self"]["step"], 120,
+                        "two training steps")
+        with open(data / "train.txt", "r+b") as f:
+            f.truncate(1000)
+        rc = cmd.wait(90)
+        out = cmd.output()
+        report("node_data_changed_stop", rc=rc, tail=out.strip().splitlines()[-1:])
+        assert rc == 1, out[-3000:]
+        assert "train.txt: the file changed after it was opened" in out, out[-3000:]
+        ckpt = tmp_path / "ckpt" / block_filename(info["block"])
+        assert ckpt.exists() and load_block(ckpt).step >= step, out[-3000:]
+        assert not wait_gone(procs, EXIT_BOUND_S), describe(procs)
+    finally:
+        kill_all(cmd, procs)
