@@ -7,7 +7,7 @@ import contextlib
 import os
 import secrets
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 
 def _tmp_path(final: Path) -> Path:
@@ -38,10 +38,28 @@ def _fsync_dir(directory: Path) -> None:
 def atomic_write(final: Path, write: Callable[[Path], None]) -> None:
     """Run ``write(tmp)``, fsync tmp, ``os.replace(tmp, final)``, fsync the directory.
     On any failure the temporary file is removed and ``final`` is untouched."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(final)
+    _write_then_place(final, write, lambda _key: final, reuse=False)
+
+
+def atomic_write_named(draft: Path, write: Callable[[Path], str],
+                       name: Callable[[str], Path]) -> tuple[Path, str, bool]:
+    """Like :func:`atomic_write` for a file named after what was written (a content hash):
+    ``write(tmp)`` writes the temporary file beside ``draft`` and returns a key, ``name(key)`` is the
+    final path. If that file already exists (the same content), the new one is dropped. Returns the
+    final path, the key, and whether this call created the file."""
+    return _write_then_place(draft, write, name, reuse=True)
+
+
+def _write_then_place(draft: Path, write: Callable[[Path], Any], name: Callable[[Any], Path],
+                      *, reuse: bool) -> tuple[Path, Any, bool]:
+    draft.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_path(draft)
     try:
-        write(tmp)
+        key = write(tmp)
+        final = name(key)
+        if reuse and final.exists():
+            tmp.unlink()
+            return final, key, False
         _fsync_path(tmp)
         os.replace(tmp, final)
     except BaseException:
@@ -49,6 +67,7 @@ def atomic_write(final: Path, write: Callable[[Path], None]) -> None:
             tmp.unlink()
         raise
     _fsync_dir(final.parent)
+    return final, key, True
 
 
 def write_bytes(data: bytes) -> Callable[[Path], None]:
@@ -57,25 +76,3 @@ def write_bytes(data: bytes) -> Callable[[Path], None]:
             f.write(data)
             f.flush()
     return write
-
-
-def atomic_write_named(draft: Path, write: Callable[[Path], str], name: Callable[[str], Path]) -> tuple[Path, bool]:
-    """Like :func:`atomic_write` for a file named after what was written (a content hash):
-    ``write(tmp)`` writes the temporary file beside ``draft`` and returns a key, ``name(key)`` is the
-    final path. If that file already exists (the same content), the new one is dropped. Returns the
-    final path and whether this call created it. On any failure the temporary file is removed."""
-    draft.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(draft)
-    try:
-        final = name(write(tmp))
-        if final.exists():
-            tmp.unlink()
-            return final, False
-        _fsync_path(tmp)
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(final.parent)
-    return final, True

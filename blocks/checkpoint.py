@@ -152,15 +152,14 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _save_hashed(obj, tmp: Path, digests: list[str]) -> str:
+def _save_hashed(obj, tmp: Path) -> str:
     """``torch.save`` straight into ``tmp`` (no in-memory copy of the whole state: for a block's AdamW
-    moments that copy was twice the block's size); returns (and appends to ``digests``) its sha256."""
+    moments that copy was twice the block's size); returns its sha256."""
     with open(tmp, "xb") as f:
         w = _HashingWriter(f)
         torch.save(obj, w)
         w.flush()
-    digests.append(w.sha.hexdigest())
-    return digests[-1]
+    return w.sha.hexdigest()
 
 
 def _optimizer_glob(path: Path) -> str:
@@ -201,12 +200,11 @@ def _save(path: str | os.PathLike[str], state_dict: dict[str, torch.Tensor], *, 
     optim_path: Path | None = None
     optim_created = False
     if optimizer_state is not None:
-        written: list[str] = []
-        optim_path, optim_created = atomic_write_named(
-            path.with_name(f"{path.stem}.optim.pt"), lambda tmp: _save_hashed(optimizer_state, tmp, written),
+        optim_path, digest, optim_created = atomic_write_named(
+            path.with_name(f"{path.stem}.optim.pt"), lambda tmp: _save_hashed(optimizer_state, tmp),
             lambda digest: path.with_name(f"{path.stem}.optim-{digest[:16]}.pt"))
         meta["optimizer_file"] = optim_path.name
-        meta["optimizer_sha256"] = written[0]
+        meta["optimizer_sha256"] = digest
 
     try:
         atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata=meta))

@@ -154,16 +154,10 @@ class FileBytes:
         self._file = _file or _OpenFile(Path(path))
         self.start = _start
         self.stop = self._file.size if _stop is None else _stop
-        self.dtype = np.dtype(np.uint8)
-        self.ndim = 1
 
     @property
     def path(self) -> Path:
         return self._file.path
-
-    @property
-    def shape(self) -> tuple[int]:
-        return (len(self),)
 
     def __len__(self) -> int:
         return self.stop - self.start

@@ -84,7 +84,8 @@ def _holders(reader: Discovery, run: str) -> set[str]:
     return {a.peer_id for anns in reader.list_holders(run).values() for a in anns}
 
 
-def _start_node(kind: str, anchor: dict, d: Path, *, tty: bool = False) -> tuple[Command, str]:
+def _start_node(kind: str, anchor: dict, d: Path, *, tty: bool = False,
+                data: Path = TEST_CORPUS) -> tuple[Command, str]:
     """``seed`` a run of its own on the anchor's DHT, or ``join`` the anchor's run (block 1)."""
     if kind == "seed":
         run = f"lc-{d.name[-20:].replace('_', '-').strip('-')}"
@@ -94,6 +95,7 @@ def _start_node(kind: str, anchor: dict, d: Path, *, tty: bool = False) -> tuple
         args = ["join", "--run", ANCHOR_RUN, "--block", "1"]
     args += ["--initial-peers", anchor["maddrs"][0], *NODE_ARGS, "--checkpoint-dir", str(d / "ckpt"),
              "--ready-file", str(d / "ready.json")]
+    args[args.index("--data") + 1] = str(data)
     if not tty:
         args.append("--quiet")
     return Command(args, d / "log", tty=tty), run
@@ -120,9 +122,9 @@ def _ask_to_stop(cmd: Command, how) -> None:
 
 
 @contextlib.contextmanager
-def _running_node(kind: str, anchor: dict, d: Path, *, tty: bool = False):
+def _running_node(kind: str, anchor: dict, d: Path, *, tty: bool = False, data: Path = TEST_CORPUS):
     """A started node: (command, run id, ready info, every process it grew); all killed at the end."""
-    cmd, run = _start_node(kind, anchor, d, tty=tty)
+    cmd, run = _start_node(kind, anchor, d, tty=tty, data=data)
     procs: list = []
     try:
         info = _ready(cmd, d / "ready.json")
@@ -427,15 +429,7 @@ def test_a_training_file_changed_under_a_node_stops_it_with_the_reason_and_its_c
     import shutil
     data = tmp_path / "data"
     shutil.copytree(TEST_CORPUS, data)
-    args = ["seed", "--run-id", "lc-data", *SETS, "--block", "0", "--initial-peers", anchor["maddrs"][0],
-            *NODE_ARGS, "--checkpoint-dir", str(tmp_path / "ckpt"), "--ready-file", str(tmp_path / "ready.json"),
-            "--quiet"]
-    args[args.index("--data") + 1] = str(data)
-    cmd = Command(args, tmp_path / "log")
-    procs: list = []
-    try:
-        info = _ready(cmd, tmp_path / "ready.json")
-        procs.extend(cmd.tree())
+    with _running_node("seed", anchor, tmp_path, data=data) as (cmd, _run, info, procs):
         port = info["http_port"]
         step = wait_for(lambda: _status(port)["self"]["step"] >= 2 and _status(port)["self"]["step"], 120,
                         "two training steps")
@@ -449,5 +443,3 @@ def test_a_training_file_changed_under_a_node_stops_it_with_the_reason_and_its_c
         ckpt = tmp_path / "ckpt" / block_filename(info["block"])
         assert ckpt.exists() and load_block(ckpt).step >= step, out[-3000:]
         assert not wait_gone(procs, EXIT_BOUND_S), describe(procs)
-    finally:
-        kill_all(cmd, procs)
