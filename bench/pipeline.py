@@ -98,6 +98,7 @@ class PipelineBenchSettings:
     weight_stash: bool = False      # --pipeline-weight-stash of every worker (the node's default)
     flush: bool = False             # --pipeline-flush, and --pipeline-accumulate = inflight, on every worker
     recompute: bool = False         # --pipeline-recompute of every worker (hold inputs, not graphs)
+    layer_checkpoint: bool = False  # --pipeline-layer-checkpoint of every worker (one layer's graph at a time)
     data: str = "auto"
     device: str = "cpu"             # --device of every worker and of the references (cuda: bf16 autocast)
     references: bool = True         # train the whole-size and one-block references (issue 13)
@@ -181,6 +182,8 @@ class _Network:
             extra += ["--pipeline-flush", "--pipeline-accumulate", str(s.inflight)]
         if s.recompute:
             extra += ["--pipeline-recompute"]
+        if s.layer_checkpoint:
+            extra += ["--pipeline-layer-checkpoint"]
         if s.lr_schedule == "cosine":   # each worker decays over the bench's wall time, from its first step
             extra += ["--lr-decay-seconds", repr(float(s.train_s))]
         self.swarm = LocalSwarm(self.base, run_id=f"bench-{_slug(objective)}", overrides=self.sets, data=data_used,

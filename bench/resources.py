@@ -64,6 +64,7 @@ import torch
 from blocktrain.blocks.chain_train import stage_backward
 from blocktrain.blocks.config import ModelConfig
 from blocktrain.blocks.flops import train_flops_per_step
+from blocktrain.blocks.layers import layer_checkpointing
 from blocktrain.blocks.objectives import get_objective
 from blocktrain.blocks.reference import ReferenceLM
 from blocktrain.blocks.train import make_optimizer, optimizer_step, reference_loss_fn
@@ -262,8 +263,18 @@ def _config_summary(cfg: ModelConfig) -> dict:
 # -- memory: the child process ----------------------------------------------------------------
 def measure_memory_here(cfg: ModelConfig, which: str, *, steps: int, device: torch.device,
                         block_index: int = 0, inflight: int = 4, recompute: bool = False,
-                        weight_stash: bool = True) -> dict:
-    """Run in a fresh process: baseline RSS, build, train ``steps`` steps, peak RSS (and CUDA peak)."""
+                        weight_stash: bool = True, layer_checkpoint: bool = False) -> dict:
+    """Run in a fresh process: baseline RSS, build, train ``steps`` steps, peak RSS (and CUDA peak).
+    ``layer_checkpoint``: every forward with a graph checkpointed per layer (``blocks.layers``)."""
+    with layer_checkpointing(layer_checkpoint):
+        out = _measure_memory(cfg, which, steps=steps, device=device, block_index=block_index,
+                              inflight=inflight, recompute=recompute, weight_stash=weight_stash)
+    out["layer_checkpoint"] = layer_checkpoint
+    return out
+
+
+def _measure_memory(cfg: ModelConfig, which: str, *, steps: int, device: torch.device, block_index: int,
+                    inflight: int, recompute: bool, weight_stash: bool) -> dict:
     gc.collect()
     after_import = _rss_now_bytes()
     # Warm the runtime on a throwaway model of the same kind (a few KiB of parameters): the first
@@ -340,12 +351,12 @@ def live_tensor_peak(tr: "_Trainee") -> dict:
 
 def _child_cmd(cfg: ModelConfig, which: str, *, steps: int, device: torch.device, block_index: int,
                threads: int | None, inflight: int = 4, recompute: bool = False,
-               weight_stash: bool = True, allocator: str = "node") -> list[str]:
+               weight_stash: bool = True, allocator: str = "node", layer_checkpoint: bool = False) -> list[str]:
     cmd = [sys.executable, "-m", "blocktrain.bench.resources", "--measure", which,
            "--config-json", cfg.to_json(), "--steps", str(steps), "--device", device.type,
            "--block", str(block_index), "--inflight", str(inflight),
            "--recompute" if recompute else "--no-recompute", "--weight-stash" if weight_stash else "--no-weight-stash",
-           "--allocator", allocator]
+           "--allocator", allocator, "--layer-checkpoint" if layer_checkpoint else "--no-layer-checkpoint"]
     if threads is not None:
         cmd += ["--threads", str(threads)]
     return cmd
@@ -354,7 +365,7 @@ def _child_cmd(cfg: ModelConfig, which: str, *, steps: int, device: torch.device
 def _measure_in_subprocesses(cfg: ModelConfig, *, steps: int, device: torch.device, block_index: int,
                              timeout: float, threads: int | None, inflight: int = 4, recompute: bool = False,
                              weight_stash: bool = True, env: dict[str, str] | None = None,
-                             allocator: str = "node") -> dict[str, dict]:
+                             allocator: str = "node", layer_checkpoint: frozenset = frozenset()) -> dict[str, dict]:
     """Block and reference, each in its own fresh process, one after the other, so neither competes
     with the other for cores or memory bandwidth while it is measured."""
     names = ("block", "reference")
@@ -364,7 +375,8 @@ def _measure_in_subprocesses(cfg: ModelConfig, *, steps: int, device: torch.devi
     def start(which: str) -> None:
         procs[which] = subprocess.Popen(
             _child_cmd(cfg, which, steps=steps, device=device, block_index=block_index, threads=threads,
-                       inflight=inflight, recompute=recompute, weight_stash=weight_stash, allocator=allocator),
+                       inflight=inflight, recompute=recompute, weight_stash=weight_stash, allocator=allocator,
+                       layer_checkpoint=which in layer_checkpoint),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
 
     def finish(which: str) -> None:
@@ -407,10 +419,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, block_index: int = 0,
                  timeout: float = 900.0, threads: int | None = None, glibc_mmap: bool = False,
                  inflight: int = 1, recompute: bool = False, weight_stash: bool = True,
-                 allocator: str = "node") -> dict:
+                 allocator: str = "node", layer_checkpoint: bool = False,
+                 reference_layer_checkpoint: bool = False) -> dict:
     """Peak training memory of one block vs the full-depth reference, each in a fresh process, both with
     the same C allocator settings: ``node`` (what a node applies at start, ``node/memory.py``
-    ``tune_malloc``) or ``glibc`` (its defaults, as before 2026-12-02)."""
+    ``tune_malloc``) or ``glibc`` (its defaults, as before 2026-12-02). ``layer_checkpoint`` /
+    ``reference_layer_checkpoint``: the block's / the reference's forwards checkpointed per layer (the
+    engine's ``--pipeline-layer-checkpoint``; the reference with it too: the like-for-like comparison)."""
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
     if threads is not None and threads < 1:
@@ -421,9 +436,13 @@ def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, bloc
         raise ValueError(f"--inflight must be in [1, 4096], got {inflight}")
     if allocator not in ALLOCATORS:
         raise ValueError(f"--allocator must be one of {', '.join(ALLOCATORS)}, got {allocator!r}")
+    if layer_checkpoint and get_objective(cfg).block_local:
+        raise ValueError(f"--layer-checkpoint measures the pipeline engine's --pipeline-layer-checkpoint: a block of a "
+                         f"chain-trained objective (pipeline, pipeline-chunked, forward-streamed), not {cfg.objective}")
+    ckpt = frozenset(w for w, on in (("block", layer_checkpoint), ("reference", reference_layer_checkpoint)) if on)
     m = _measure_in_subprocesses(cfg, steps=steps, device=device, block_index=block_index, timeout=timeout,
                                  threads=threads, inflight=inflight, recompute=recompute, weight_stash=weight_stash,
-                                 allocator=allocator)
+                                 allocator=allocator, layer_checkpoint=ckpt)
     block, ref = m["block"], m["reference"]
     chain_note = ""
     if "chain_training" in block:
@@ -438,10 +457,13 @@ def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, bloc
         "torch": torch.__version__, "config": _config_summary(cfg), "block_index": block_index,
         "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "steps": steps,
         "threads": block.get("threads"), "allocator": allocator,
+        "layer_checkpoint": {"block": layer_checkpoint, "reference": reference_layer_checkpoint},
         "method": ("each module trained in its own fresh process on synthetic bytes for `steps` AdamW steps; "
                    + ("both processes apply the node's C allocator settings at start (node/memory.py tune_malloc: "
                       "trim threshold 64 KiB, mmap threshold 4 MiB, malloc_trim every 10 s); " if allocator == "node"
                       else "glibc's default allocator settings; ")
+                   + ("; ".join(f"the {w}'s forwards checkpointed per layer (each layer's input kept, the layer run "
+                                "again in the backward)" for w in sorted(ckpt)) + "; " if ckpt else "")
                    + "peak_rss = getrusage ru_maxrss of the whole process; peak_increase = peak_rss minus "
                    "the baseline VmRSS taken after importing torch+blocktrain and one warm-up step on a "
                    "throwaway tiny model of the same kind (torch's own footprint, lazy imports and "
@@ -469,7 +491,8 @@ def bench_memory(cfg: ModelConfig, device: torch.device, *, steps: int = 5, bloc
     if glibc_mmap:
         m = _measure_in_subprocesses(cfg, steps=steps, device=device, block_index=block_index,
                                      timeout=timeout, threads=threads, inflight=inflight, recompute=recompute,
-                                     weight_stash=weight_stash, env=GLIBC_MMAP_ENV, allocator=allocator)
+                                     weight_stash=weight_stash, env=GLIBC_MMAP_ENV, allocator=allocator,
+                                     layer_checkpoint=ckpt)
         res["glibc_mmap"] = {
             "env": " ".join(f"{k}={v}" for k, v in GLIBC_MMAP_ENV.items()),
             "note": ("glibc told to serve every allocation >= 64 KiB with mmap and unmap it on free "
@@ -552,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recompute", action=argparse.BooleanOptionalAction, default=False)
     ap.add_argument("--weight-stash", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--allocator", choices=ALLOCATORS, default="node")
+    ap.add_argument("--layer-checkpoint", action=argparse.BooleanOptionalAction, default=False)
     a = ap.parse_args(argv)
     if a.allocator == "node":   # as a node does once its imports are done (node/node.py)
         from blocktrain.node.memory import tune_malloc
@@ -560,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ModelConfig.from_dict(json.loads(a.config_json), source="--config-json")
     res = measure_memory_here(cfg, a.measure, steps=a.steps, device=torch.device(a.device),
                               block_index=a.block, inflight=a.inflight, recompute=a.recompute,
-                              weight_stash=a.weight_stash)
+                              weight_stash=a.weight_stash, layer_checkpoint=a.layer_checkpoint)
     sys.stdout.write(json.dumps(res) + "\n")
     return 0
 

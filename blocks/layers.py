@@ -1,11 +1,15 @@
 """Transformer building blocks shared by the block denoiser and the end-to-end reference."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .modulated_norm import modulated_layer_norm
 
@@ -84,6 +88,33 @@ class NoiseEmbedding(nn.Module):
         return self.mlp(torch.cat([a.sin(), a.cos()], dim=-1))
 
 
+_LAYER_CHECKPOINT = contextvars.ContextVar("layer_checkpoint", default=False)
+
+
+@contextlib.contextmanager
+def layer_checkpointing(on: bool = True) -> Iterator[None]:
+    """Activation checkpointing per layer for the forwards run inside (in this thread): :func:`run_layers`
+    keeps only each layer's input for the backward and runs the layer again during the backward
+    (``torch.utils.checkpoint``, non-reentrant, the random state replayed), so a forward+backward holds
+    one layer's activations at a time instead of all of them, for one more forward of the layers. The
+    gradients are those of the plain forward (float tolerance). Used by the pipeline engine's
+    ``--pipeline-layer-checkpoint`` (node/pipeline/engine.py) and by ``bench memory``."""
+    token = _LAYER_CHECKPOINT.set(bool(on))
+    try:
+        yield
+    finally:
+        _LAYER_CHECKPOINT.reset(token)
+
+
+def run_layers(layers: Iterable[nn.Module], h: torch.Tensor, *args) -> torch.Tensor:
+    """``h`` through ``layers`` in order (each called as ``layer(h, *args)``), checkpointed per layer inside
+    :func:`layer_checkpointing` when gradients are being recorded."""
+    ckpt = _LAYER_CHECKPOINT.get() and torch.is_grad_enabled()
+    for layer in layers:
+        h = checkpoint(layer, h, *args, use_reentrant=False) if ckpt else layer(h, *args)
+    return h
+
+
 def residual_stream(m: nn.Module, h: torch.Tensor | None, context: torch.Tensor | None, embed: bool) -> torch.Tensor:
     """A slice of the byte-level Transformer on its residual stream: with ``embed`` (the slice that starts
     the model, holding ``byte_emb`` and ``pos_emb``) the stream starts from the bytes ``context``, else it
@@ -91,9 +122,7 @@ def residual_stream(m: nn.Module, h: torch.Tensor | None, context: torch.Tensor 
     if embed:
         pos = torch.arange(context.shape[1], device=context.device)
         h = m.byte_emb(context) + m.pos_emb(pos)
-    for layer in m.layers:
-        h = layer(h)
-    return h
+    return run_layers(m.layers, h)
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:

@@ -112,6 +112,9 @@ def _lr_grid(text: str) -> tuple[float, ...]:
                                             "none stale; the workers' recomputed counts check it).")
 @click.option("--recompute", is_flag=True, help="--pipeline-recompute of every worker (a held micro-batch keeps "
                                                 "its input, not its graph; its backward runs the forward again).")
+@click.option("--layer-checkpoint", is_flag=True,
+              help="--pipeline-layer-checkpoint of every worker (a forward with a graph keeps each layer's input "
+                   "only; the backward runs each layer again).")
 @click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True,
               help="Every worker's --seed (data order) and init_seed; the references' too (a second seed of a run).")
 @click.option("--lr", "lr_items", multiple=True, metavar="ARM=RATE",
@@ -141,7 +144,7 @@ def _lr_grid(text: str) -> tuple[float, ...]:
 def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight, gen_bytes, delay_ms, eval_windows, overrides, data, plot,
                        record, workdir, preset, tiny, device, no_references, no_serving, no_wall_reference, no_whole_reference,
                        curve_every,
-                       weight_stash, flush, recompute, seed, lr_items, lr_sweep, lr_grid, sweep_fraction, sweep_windows,
+                       weight_stash, flush, recompute, layer_checkpoint, seed, lr_items, lr_sweep, lr_grid, sweep_fraction, sweep_windows,
                        lr_schedule, train_windows, plan_only, as_json):
     """pipeline and forward-streamed vs paper: real node processes, the same wall time each.
 
@@ -179,6 +182,7 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight,
     s.weight_stash = weight_stash
     s.flush = flush
     s.recompute = recompute
+    s.layer_checkpoint = layer_checkpoint
     s.overrides += list(overrides)
     s.data = data
     s.lrs = parse_lr_items(lr_items)

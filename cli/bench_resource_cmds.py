@@ -112,6 +112,11 @@ def throughput_table(res: dict) -> Table:
 @click.option("--weight-stash/--no-weight-stash", default=True, show_default=True,
               help="pipeline blocks: a weight copy per held micro-batch (weight stashing, the worst case); "
                    "--no-weight-stash: none, as the engine runs by default and in flushed windows.")
+@click.option("--layer-checkpoint", is_flag=True,
+              help="pipeline blocks: measure the engine's --pipeline-layer-checkpoint (every forward with a graph "
+                   "keeps each layer's input only; the backward runs each layer again).")
+@click.option("--reference-layer-checkpoint", is_flag=True,
+              help="The whole-size reference checkpointed per layer too (the like-for-like comparison).")
 @click.option("--allocator", type=click.Choice(["node", "glibc"]), default="node", show_default=True,
               help="C allocator settings of both processes: node = what a node applies at start (trim threshold "
                    "64 KiB, mmap threshold 4 MiB, a trim every 10 s); glibc = its defaults.")
@@ -119,7 +124,7 @@ def throughput_table(res: dict) -> Table:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @friendly
 def bench_memory_cmd(config_path, objective, overrides, steps, block_index, device, threads, glibc_mmap, inflight,
-                     recompute, weight_stash, allocator, tiny, as_json):
+                     recompute, weight_stash, layer_checkpoint, reference_layer_checkpoint, allocator, tiny, as_json):
     """Peak training memory of ONE block vs the end-to-end reference (B x layers_per_block layers).
 
     \b
@@ -134,7 +139,8 @@ def bench_memory_cmd(config_path, objective, overrides, steps, block_index, devi
     threads = (1 if tiny else None) if threads is None else threads
     res = bench_memory(cfg, pick_device(device), steps=steps, block_index=block_index, threads=threads,
                        glibc_mmap=glibc_mmap, inflight=inflight, recompute=recompute, weight_stash=weight_stash,
-                       allocator=allocator)
+                       allocator=allocator, layer_checkpoint=layer_checkpoint,
+                       reference_layer_checkpoint=reference_layer_checkpoint)
     if as_json:
         emit_json(res)
     else:

@@ -225,16 +225,17 @@ _PIPELINE: contextvars.ContextVar[dict] = contextvars.ContextVar("bt_pipeline", 
 
 
 def pipeline_options(fn):
-    """--pipeline-inflight / -accumulate / -compression / -timeout / -weight-stash / -flush / -recompute
-    for seed and join."""
+    """--pipeline-inflight / -accumulate / -compression / -timeout / -weight-stash / -flush / -recompute /
+    -layer-checkpoint for seed and join."""
     @functools.wraps(fn)
     def wrapper(*args, pipeline_inflight=1, pipeline_accumulate=1, pipeline_compression="fp32",
                 pipeline_timeout=60.0, pipeline_weight_stash=False, pipeline_flush=False, pipeline_recompute=False,
-                **kwargs):
+                pipeline_layer_checkpoint=False, **kwargs):
         _PIPELINE.set({"pipeline_inflight": pipeline_inflight, "pipeline_accumulate": pipeline_accumulate,
                        "pipeline_compression": pipeline_compression, "pipeline_timeout": pipeline_timeout,
                        "pipeline_weight_stash": pipeline_weight_stash, "pipeline_flush": pipeline_flush,
-                       "pipeline_recompute": pipeline_recompute})
+                       "pipeline_recompute": pipeline_recompute,
+                       "pipeline_layer_checkpoint": pipeline_layer_checkpoint})
         return fn(*args, **kwargs)
     opts = [
         click.option("--pipeline-inflight", type=click.IntRange(1, 4096), default=1, show_default=True,
@@ -268,6 +269,12 @@ def pipeline_options(fn):
                           "the backward (GPipe's re-materialisation: with several micro-batches in flight a "
                           "holder's activation memory is one graph's, for about a third more compute; the "
                           "gradients are the same, dropout masks included)."),
+        click.option("--pipeline-layer-checkpoint", is_flag=True,
+                     help="pipeline and forward-streamed runs: every forward that records a graph keeps only each "
+                          "layer's input, and the backward runs each layer again (activation checkpointing): a "
+                          "holder's activation memory is one layer's instead of its block's, for one more "
+                          "forward of the block per micro-batch (none more with --pipeline-recompute at blocks "
+                          "before the last); the gradients are the same."),
     ]
     for o in reversed(opts):
         wrapper = o(wrapper)

@@ -55,6 +55,7 @@ class NodeOptions:
     pipeline_weight_stash: bool = False        # backward on the weights its forward used (PipeDream)
     pipeline_flush: bool = False               # block 0: GPipe-style windows of `inflight` micro-batches
     pipeline_recompute: bool = False           # hold inputs, not graphs; the backward recomputes the forward
+    pipeline_layer_checkpoint: bool = False    # graphs hold each layer's input only; the backward reruns the layer
     rebalance: bool = True                     # move to a needier block (node/rebalance.py); False pins the block
     rebalance_dwell: float = 600.0             # seconds a block is held before the node may leave it
     operator_token: bytes | None = field(default=None, init=False, repr=False)   # read once from the file

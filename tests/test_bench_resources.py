@@ -193,3 +193,26 @@ def test_trainer_arena_pinned_mmap_threshold_shrinks_the_training_threads_arena(
     bad = subprocess.run([sys.executable, "-m", "blocktrain.bench.trainer_arena", "--data", str(TEST_CORPUS / "train.txt"),
                           "--threshold", "lots"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--threshold takes" in bad.stderr
+
+
+def test_layer_checkpoint_holds_one_layers_activations():
+    """bench memory --layer-checkpoint (the engine's --pipeline-layer-checkpoint): a 3-layer pipeline block's
+    step, 4 micro-batches in flight with recompute, keeps one layer's activations at a time, not three;
+    the bench refuses the flag for a block-local objective (nothing it could measure)."""
+    import torch
+    from blocktrain.bench.resources import TINY_OVERRIDES, _Trainee, bench_memory, live_tensor_peak
+    from blocktrain.blocks.config import ModelConfig
+    from blocktrain.blocks.layers import layer_checkpointing
+    cfg = ModelConfig(**{**TINY_OVERRIDES, "objective": "pipeline", "layers_per_block": 3})
+    peak, static = {}, {}
+    for ckpt in (False, True):
+        tr = _Trainee("block", cfg, torch.device("cpu"), block_index=1, inflight=4, recompute=True, weight_stash=False)
+        with layer_checkpointing(ckpt):
+            assert math.isfinite(tr.step()["grad_norm"])
+            live = live_tensor_peak(tr)
+        peak[ckpt], static[ckpt] = live["live_step_peak_mib"], live["live_static_mib"]
+    assert static[True] == static[False]                 # the same weights, gradients and AdamW state
+    assert peak[True] < 0.6 * peak[False], peak          # one layer's graph (+ the layers' inputs), not three
+    with pytest.raises(ValueError, match="chain-trained"):
+        bench_memory(ModelConfig(**{**TINY_OVERRIDES, "objective": "paper"}), torch.device("cpu"), steps=1,
+                     layer_checkpoint=True)

@@ -2,7 +2,8 @@
 ``bt-node`` processes hold one block each of a ``pipeline`` run (and, parametrized, of a
 ``pipeline-chunked`` run: the engine carries any differentiable chain, here one whose state packs two
 streams, D = 2 d_model; and a ``pipeline`` run whose holders keep inputs, not graphs, and run each
-forward again before its backward: ``--pipeline-recompute``); block 0's holder sends one fixed
+forward again before its backward: ``--pipeline-recompute``, and with it ``--pipeline-layer-checkpoint``: every
+forward that records a graph keeps only each layer's input and the backward runs each layer again); block 0's holder sends one fixed
 micro-batch through the chain in fp32 and then the same one in fp16 (each node's engine records,
 test side, its gradients: ``test_utils/pipeline_probe.py``).
 
@@ -59,6 +60,7 @@ class Probed:
     run: str
     d: int                          # the state's last axis (the objective's state_dim)
     recompute: bool = False         # the holders run with --pipeline-recompute
+    layer_checkpoint: bool = False  # and with --pipeline-layer-checkpoint
 
     @property
     def sets(self) -> dict:
@@ -66,11 +68,12 @@ class Probed:
 
 
 @pytest.fixture(scope="module", params=[("pipeline", ()), ("pipeline-chunked", ()),
-                                        ("pipeline", ("--pipeline-recompute",))],
-                ids=["pipeline", "pipeline-chunked", "pipeline-recompute"])
+                                        ("pipeline", ("--pipeline-recompute",)),
+                                        ("pipeline", ("--pipeline-recompute", "--pipeline-layer-checkpoint"))],
+                ids=["pipeline", "pipeline-chunked", "pipeline-recompute", "pipeline-recompute-layer-checkpoint"])
 def probed(request, tmp_path_factory):
     objective, extra = request.param
-    run = f"pipegrad-{objective}{'-recompute' if extra else ''}"
+    run = "-".join(["pipegrad", objective, *(x.removeprefix("--pipeline-") for x in extra)])
     base = tmp_path_factory.mktemp(run)
     windows = torch.randint(0, 256, (N, T + 1), generator=torch.Generator().manual_seed(11))
     torch.save(windows, base / "windows.pt")
@@ -94,7 +97,8 @@ def probed(request, tmp_path_factory):
         wait_for(lambda: all((base / f"probe{b}" / "grads-1.pt").exists() for b in range(4)), 180,
                  "two micro-batches through every stage")
         d = get_objective(ModelConfig(**{**SETS, "objective": objective})).state_dim()
-        yield Probed(base, by_block, windows, objective, run, d, recompute=bool(extra))
+        yield Probed(base, by_block, windows, objective, run, d, recompute="--pipeline-recompute" in extra,
+                     layer_checkpoint="--pipeline-layer-checkpoint" in extra)
     finally:
         stop_swarm(sw)
 
@@ -137,7 +141,8 @@ def test_gradients_match_the_single_process_reference(probed):
 def test_bytes_counted_are_the_tensors_sizes(probed):
     nodes, d = probed.nodes, probed.d
     pipe = {b: n.get("/v1/status")["self"]["pipeline"] for b, n in nodes.items()}
-    assert all(p["settings"]["recompute"] is probed.recompute for p in pipe.values())   # the flag reached each engine
+    assert all(p["settings"]["recompute"] is probed.recompute for p in pipe.values())   # the flags reached each engine
+    assert all(p["settings"]["layer_checkpoint"] is probed.layer_checkpoint for p in pipe.values())
     tr = {b: p["traffic"] for b, p in pipe.items()}
     one = N * T * d * 4 + N * T * d * 2          # the fp32 micro-batch, then the fp16 one
     for b in range(3):        # each sender: both micro-batches went out once, and their gradients came back

@@ -20,7 +20,7 @@ def start_pipeline(node) -> PipelineEngine:
     settings = PipelineSettings(inflight=o.pipeline_inflight, accumulate=o.pipeline_accumulate,
                                 codec=o.pipeline_compression, timeout_s=o.pipeline_timeout,
                                 weight_stash=o.pipeline_weight_stash, flush=o.pipeline_flush,
-                                recompute=o.pipeline_recompute)
+                                recompute=o.pipeline_recompute, layer_checkpoint=o.pipeline_layer_checkpoint)
     limits = PipelineLimits(allowed_blocks={node.block_index}, n_blocks=cfg.n_blocks,
                             mode=t.objective.chain_training, max_batch=max(64, cfg.batch_size),
                             max_seq=cfg.seq_len, d_model=t.objective.state_dim(), vocab_size=cfg.vocab_size)

@@ -45,6 +45,12 @@ forward again, the same bits: ``resent_recomputed``); its backward runs the forw
 a graph (the same dropout masks) and backpropagates at once. A holder then keeps at most one graph
 however many micro-batches it holds, for one more forward of the block per micro-batch; the gradients
 are those of the kept graph.
+With ``layer_checkpoint`` (activation checkpointing per layer, off by default; ``blocks.layers.layer_checkpointing``)
+every forward here that records a graph (a kept graph, the recompute before a backward, the last block's or
+a streamed block's forward) keeps only each layer's input, and the backward runs each layer again: the
+activation memory of one layer at a time instead of the block's, for one more forward of the block per
+micro-batch (with ``recompute`` the recompute itself keeps no more than the layers' inputs); the same
+gradients to float tolerance.
 Memory: a stage holds at most ``max_stash`` micro-batches between forward and backward and answers
 ``busy`` beyond that; a block-0 holder at most ``inflight``; weight copies at most one per held
 micro-batch (shared by those of one version; :meth:`stash_bytes` reports them). Faults: every call
@@ -70,6 +76,7 @@ from typing import Callable
 import torch
 
 from blocktrain.blocks.chain_train import stage_backward
+from blocktrain.blocks.layers import layer_checkpointing
 from blocktrain.node.loops import DutyCycle
 from blocktrain.node.pipeline.settings import PipelineSettings
 from blocktrain.node.pipeline.stats import PipelineStats
@@ -192,7 +199,7 @@ class PipelineEngine:
         loss and its backward too (the micro-batch is then done here); else keep the graph."""
         t, obj, dev = self.trainer, self.objective, self.trainer.device
         n = int(targets.shape[0])
-        with t.lock:
+        with t.lock, layer_checkpointing(self.settings.layer_checkpoint):
             if window is not None and self.b != 0:
                 self._enter_window(window)
             t.module.train()
@@ -269,7 +276,7 @@ class PipelineEngine:
     def _backward(self, work: _Work, grad_out: torch.Tensor, loss: float | None) -> torch.Tensor | None:
         """Backprop mode: dL/dh_b -> the block's gradients (accumulated) and dL/dh_{b-1}."""
         t = self.trainer
-        with t.lock:
+        with t.lock, layer_checkpointing(self.settings.layer_checkpoint):
             if not work.open:   # released already (its caller was cancelled): nothing left to backpropagate
                 return None
             # read once: a cancelled caller may release the work (and let go of its tensors) meanwhile
@@ -509,7 +516,8 @@ class PipelineEngine:
         return {"mode": self.mode, "block": self.b, "last": self.last, "held_now": self._held,
                 "settings": {"inflight": s.inflight, "accumulate": s.accumulate, "compression": s.codec,
                              "timeout_s": s.timeout_s, "max_stash": s.max_stash, "retries": s.retries,
-                             "weight_stash": s.weight_stash, "flush": s.flush, "recompute": s.recompute},
+                             "weight_stash": s.weight_stash, "flush": s.flush, "recompute": s.recompute,
+                             "layer_checkpoint": s.layer_checkpoint},
                 **self.stats.snapshot(), "traffic": self.traffic.snapshot()}
 
     def leave(self) -> None:

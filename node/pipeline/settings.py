@@ -19,6 +19,8 @@ class PipelineSettings:
                                  # (GPipe; with accumulate == inflight on every holder: no stale weights)
     recompute: bool = False      # keep only a held micro-batch's input, not its graph; its backward runs the
                                  # forward again first (GPipe's re-materialisation: memory of one graph, not K)
+    layer_checkpoint: bool = False   # every forward with a graph keeps each layer's input only; the backward runs
+                                     # the layer again (activation checkpointing: one layer's graph, not a block's)
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:

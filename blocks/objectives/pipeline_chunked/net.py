@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ...config import ModelConfig
+from ...layers import run_layers
 from ..pipeline.net import PipelineBlock, build_pipeline_block
 
 
@@ -79,8 +80,7 @@ class PipelineChunkedBlock(nn.Module):
         t = clean.shape[1]
         x = torch.cat([clean, query], dim=1)
         mask = self._mask(t, x.device)
-        for layer in self.inner.layers:
-            x = layer(x, None, mask)
+        x = run_layers(self.inner.layers, x, None, mask)
         return torch.cat([x[:, :t], x[:, t:]], dim=-1)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
