@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
-import io
 import json
 import os
 import re
@@ -282,19 +281,28 @@ def _parse_meta(path: Path, raw: dict[str, str] | None) -> tuple[dict[str, Any],
 
 
 def _load_optimizer(path: Path, meta: dict[str, Any], map_location: str) -> dict[str, Any]:
+    """The optimizer state beside ``path``: hashed as it streams from its file, then loaded from the same
+    open file (no copy of its bytes in memory: a resume peaks at the state itself). The file is named by
+    its hash and never rewritten in place (``atomic_write_named``), so the bytes loaded are those hashed."""
     opath = path.parent / meta["optimizer_file"]
     try:
-        blob = opath.read_bytes()
+        with open(opath, "rb") as f:
+            sha = hashlib.sha256()
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                sha.update(chunk)
+            if sha.hexdigest() != meta.get("optimizer_sha256"):
+                raise CheckpointError(f"{opath}: optimizer state does not match its checkpoint {path.name} "
+                                      "(sha256 differs: corrupted or replaced)")
+            f.seek(0)
+            try:
+                return torch.load(f, map_location=map_location, weights_only=True)
+            except OSError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"{opath}: cannot load optimizer state ({type(e).__name__}: {e})") from None
     except OSError as e:
         raise CheckpointError(f"{path}: its optimizer state file {opath.name} cannot be read "
                               f"({e.strerror or e})") from None
-    if hashlib.sha256(blob).hexdigest() != meta.get("optimizer_sha256"):
-        raise CheckpointError(f"{opath}: optimizer state does not match its checkpoint {path.name} "
-                              "(sha256 differs: corrupted or replaced)")
-    try:
-        return torch.load(io.BytesIO(blob), map_location=map_location, weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"{opath}: cannot load optimizer state ({type(e).__name__}: {e})") from None
 
 
 def _load(path: str | os.PathLike[str], *, kind: str, expected_config_hash: str | None,
