@@ -273,8 +273,9 @@ def pipeline_options(fn):
                      help="pipeline and forward-streamed runs: every forward that records a graph keeps only each "
                           "layer's input, and the backward runs each layer again (activation checkpointing): a "
                           "holder's activation memory is one layer's instead of its block's, for one more "
-                          "forward of the block per micro-batch (none more with --pipeline-recompute at blocks "
-                          "before the last); the gradients are the same."),
+                          "forward of the block per micro-batch; the gradients are the same. Without "
+                          "--pipeline-recompute a held micro-batch keeps its layers' inputs (one per layer) instead "
+                          "of its graph, at the compute --pipeline-recompute alone costs."),
     ]
     for o in reversed(opts):
         wrapper = o(wrapper)

@@ -49,8 +49,9 @@ With ``layer_checkpoint`` (activation checkpointing per layer, off by default; `
 every forward here that records a graph (a kept graph, the recompute before a backward, the last block's or
 a streamed block's forward) keeps only each layer's input, and the backward runs each layer again: the
 activation memory of one layer at a time instead of the block's, for one more forward of the block per
-micro-batch (with ``recompute`` the recompute itself keeps no more than the layers' inputs); the same
-gradients to float tolerance.
+micro-batch; the same gradients to float tolerance. Without ``recompute`` a held micro-batch then keeps
+its layers' inputs (and its output) instead of its whole graph, at the compute ``recompute`` alone costs;
+with it, only its input, the recompute before its backward keeping no more than the layers' inputs.
 Memory: a stage holds at most ``max_stash`` micro-batches between forward and backward and answers
 ``busy`` beyond that; a block-0 holder at most ``inflight``; weight copies at most one per held
 micro-batch (shared by those of one version; :meth:`stash_bytes` reports them). Faults: every call
