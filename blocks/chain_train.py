@@ -23,26 +23,18 @@ from torch import nn
 
 from .config import ModelConfig
 from .flops import measured_flops
+from .layers import backward_with
 from .objectives.base import Objective
 from .train import lr_at
 
 
 def stage_backward(output: torch.Tensor, grad: torch.Tensor) -> None:
-    """``output.backward(grad)`` for a stage whose output gradient came from downstream, without the
-    memory that call costs. Given an explicit gradient, torch's ``backward`` checks its shape through
-    ``torch.fx.experimental.symbolic_shapes``, whose first import pulls in sympy and mpmath: 487 modules
-    and ~35 MB of RSS that a pipeline worker would then hold for life (BENCHMARKS.md "Memory of a
-    pipeline block"). Instead the scalar ``output.sum()`` is backpropagated with a hook on ``output``
-    that hands on ``grad`` in place of the sum's (a view of ones): every gradient below is the same,
-    bit for bit, and no tensor of the output's size is allocated for it."""
+    """``output.backward(grad)`` for a stage whose output gradient came from downstream, its shape checked
+    here, without the sympy import that call costs (``layers.backward_with``: the scalar ``output.sum()``
+    backpropagated with a hook handing on ``grad``; every gradient below the same, bit for bit)."""
     if grad.shape != output.shape:
         raise ValueError(f"gradient of shape {tuple(grad.shape)} for an output of shape {tuple(output.shape)}")
-    g = grad.detach().to(output.dtype)
-    hook = output.register_hook(lambda _ones: g)
-    try:
-        output.sum().backward()
-    finally:
-        hook.remove()
+    backward_with(output, grad)
 
 
 @dataclass

@@ -9,7 +9,6 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .modulated_norm import modulated_layer_norm
 
@@ -88,15 +87,68 @@ class NoiseEmbedding(nn.Module):
         return self.mlp(torch.cat([a.sin(), a.cos()], dim=-1))
 
 
+def backward_with(output: torch.Tensor, grad: torch.Tensor) -> None:
+    """``output.backward(grad)`` without the memory that call costs: given an explicit gradient, torch's
+    ``backward`` checks its shape through ``torch.fx.experimental.symbolic_shapes``, whose first import
+    pulls in sympy and mpmath (~35 MB of RSS a worker would hold for life; BENCHMARKS.md "Memory of a
+    pipeline block"). Instead the scalar ``output.sum()`` is backpropagated with a hook on ``output`` that
+    hands on ``grad`` in place of the sum's: every gradient below is the same, bit for bit."""
+    g = grad.detach().to(output.dtype)
+    hook = output.register_hook(lambda _ones: g)
+    try:
+        output.sum().backward()
+    finally:
+        hook.remove()
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+class _CheckpointedLayer(torch.autograd.Function):
+    """One layer run without a graph; its backward runs it again from its saved input (the same random
+    state, the same autocast) and backpropagates through that at once, adding to the layer's parameter
+    gradients. Our own rather than ``torch.utils.checkpoint``: the non-reentrant one imports torch._dynamo
+    at its first call and the reentrant one backpropagates with an explicit gradient (sympy): +35-72 MB
+    of RSS for the life of every process that uses it (measured 2026-12-03, torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx, layer: nn.Module, h: torch.Tensor, *args):
+        ctx.layer, ctx.args, ctx.rng = layer, args, _rng_state(h.device)
+        kind = h.device.type
+        ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+        ctx.save_for_backward(h)
+        return layer(h, *args)      # autograd.Function runs its forward without a graph
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (h,) = ctx.saved_tensors
+        h = h.detach().requires_grad_(True)
+        kind, enabled, dtype = ctx.autocast
+        devices = [h.device] if "cuda" in ctx.rng else []
+        with torch.random.fork_rng(devices=devices, device_type=kind if devices else "cuda"):
+            torch.set_rng_state(ctx.rng["cpu"])
+            if devices:
+                torch.cuda.set_rng_state(ctx.rng["cuda"], h.device)
+            with torch.enable_grad():
+                with torch.autocast(kind, dtype=dtype, enabled=enabled):
+                    out = ctx.layer(h, *ctx.args)
+                backward_with(out, grad)
+        return (None, h.grad, *(None for _ in ctx.args))
+
+
 _LAYER_CHECKPOINT = contextvars.ContextVar("layer_checkpoint", default=False)
 
 
 @contextlib.contextmanager
 def layer_checkpointing(on: bool = True) -> Iterator[None]:
     """Activation checkpointing per layer for the forwards run inside (in this thread): :func:`run_layers`
-    keeps only each layer's input for the backward and runs the layer again during the backward
-    (``torch.utils.checkpoint``, non-reentrant, the random state replayed), so a forward+backward holds
-    one layer's activations at a time instead of all of them, for one more forward of the layers. The
+    keeps only each layer's input for the backward and runs the layer again during the backward (the
+    random state and autocast replayed: :class:`_CheckpointedLayer`), so a forward+backward holds one
+    layer's activations at a time instead of all of them, for one more forward of the layers. The
     gradients are those of the plain forward (float tolerance). Used by the pipeline engine's
     ``--pipeline-layer-checkpoint`` (node/pipeline/engine.py) and by ``bench memory``."""
     token = _LAYER_CHECKPOINT.set(bool(on))
@@ -111,7 +163,9 @@ def run_layers(layers: Iterable[nn.Module], h: torch.Tensor, *args) -> torch.Ten
     :func:`layer_checkpointing` when gradients are being recorded."""
     ckpt = _LAYER_CHECKPOINT.get() and torch.is_grad_enabled()
     for layer in layers:
-        h = checkpoint(layer, h, *args, use_reentrant=False) if ckpt else layer(h, *args)
+        # an input without a gradient (nothing upstream trains) would hide the layer's own parameters
+        # from a checkpointed backward: such a layer runs plainly
+        h = _CheckpointedLayer.apply(layer, h, *args) if ckpt and h.requires_grad else layer(h, *args)
     return h
 
 

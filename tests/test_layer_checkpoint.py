@@ -134,3 +134,45 @@ def test_the_engine_with_layer_checkpoint_gives_the_same_gradients(block, recomp
     assert p0.keys() == p1.keys()
     for name in p0:
         torch.testing.assert_close(p1[name], p0[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_layer_checkpointing_under_autocast_and_without_an_input_gradient():
+    """bf16 autocast (the node's policy on CUDA; CPU autocast here) is replayed when a layer runs again:
+    the same gradients as the plain autocast forward. A stream whose input needs no gradient (nothing
+    upstream trains) still trains the layers' parameters."""
+    module, run = _stage("pipeline", 1)
+    x = torch.randn(2, _cfg().seq_len, _cfg().d_model)
+    grads = []
+    for ckpt in (False, True):
+        module.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        with layer_checkpointing(ckpt), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = module.stream(x.clone().requires_grad_(True), None)
+        out.float().square().mean().backward()
+        grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], msg=name)
+    module.zero_grad(set_to_none=True)
+    with layer_checkpointing(True):
+        module.stream(x, None).square().mean().backward()          # x needs no gradient
+    assert all(p.grad is not None for p in module.parameters())
+
+
+def test_layer_checkpointing_imports_neither_dynamo_nor_sympy():
+    """torch.utils.checkpoint would: torch._dynamo (non-reentrant) or sympy (reentrant), 35-72 MB of RSS
+    for the life of a worker. Ours imports nothing."""
+    import subprocess
+    import sys
+    code = ("import sys, torch\n"
+            "from blocktrain.blocks.layers import layer_checkpointing, run_layers, TransformerLayer\n"
+            "layers = torch.nn.ModuleList([TransformerLayer(16, 2, 4, 0.1) for _ in range(2)])\n"
+            "x = torch.randn(2, 8, 16, requires_grad=True)\n"
+            "run_layers(layers, x).sum().backward()\n"
+            "before = set(sys.modules)\n"
+            "with layer_checkpointing(True):\n"
+            "    y = run_layers(layers, x)\n"
+            "y.sum().backward()\n"
+            "new = sorted(set(sys.modules) - before)\n"
+            "print(len(new), 'torch._dynamo' in sys.modules, 'sympy' in sys.modules, new[:5])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split()[:3] == ["0", "False", "False"], out.stdout
