@@ -308,16 +308,19 @@ class BlockTrainer:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
+        """Write this block's checkpoint under the trainer's lock, from the live tensors: the weights, the
+        AdamW state and the counters of one moment (no step can move the moments while they stream to
+        disk), and no copy of the weights (on CPU). Steps, hops and averaging wait for it meanwhile (a
+        d_model-768 block of 21M parameters: BENCHMARKS.md "Memory of a pipeline block", session 21)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         with self.lock:
-            state = {k: v.detach().to("cpu").clone() for k, v in self.module.state_dict().items()}
-            opt_state = {"optimizer": self.opt.state_dict(), "sampler": self.sampler.state_dict()}
-            step, samples = self.step, self.samples_seen
-        ckpt.save_config(directory, self.cfg)
-        return ckpt.save_block(directory / ckpt.block_filename(self.block_index), state, config=self.cfg,
-                               block_index=self.block_index, step=step, samples_seen=samples,
-                               optimizer_state=opt_state)
+            ckpt.save_config(directory, self.cfg)
+            return ckpt.save_block(directory / ckpt.block_filename(self.block_index), self.module.state_dict(),
+                                   config=self.cfg, block_index=self.block_index, step=self.step,
+                                   samples_seen=self.samples_seen,
+                                   optimizer_state={"optimizer": self.opt.state_dict(),
+                                                    "sampler": self.sampler.state_dict()})
 
     def resume(self, directory: str | Path) -> bool:
         """Load this block's checkpoint from ``directory`` if there is one; True if resumed."""
