@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .modulated_norm import modulated_layer_norm
+from .rng import rng_restored, rng_state
 
 
 class SelfAttention(nn.Module):
@@ -101,13 +102,6 @@ def backward_with(output: torch.Tensor, grad: torch.Tensor) -> None:
         hook.remove()
 
 
-def _rng_state(device: torch.device) -> dict:
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
 class _CheckpointedLayer(torch.autograd.Function):
     """One layer run without a graph; its backward runs it again from its saved input (the same random
     state, the same autocast) and backpropagates through that at once, adding to the layer's parameter
@@ -117,7 +111,7 @@ class _CheckpointedLayer(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, layer: nn.Module, h: torch.Tensor, *args):
-        ctx.layer, ctx.args, ctx.rng = layer, args, _rng_state(h.device)
+        ctx.layer, ctx.args, ctx.rng = layer, args, rng_state(h.device)
         kind = h.device.type
         ctx.autocast = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
         ctx.save_for_backward(h)
@@ -128,11 +122,7 @@ class _CheckpointedLayer(torch.autograd.Function):
         (h,) = ctx.saved_tensors
         h = h.detach().requires_grad_(True)
         kind, enabled, dtype = ctx.autocast
-        devices = [h.device] if "cuda" in ctx.rng else []
-        with torch.random.fork_rng(devices=devices, device_type=kind if devices else "cuda"):
-            torch.set_rng_state(ctx.rng["cpu"])
-            if devices:
-                torch.cuda.set_rng_state(ctx.rng["cuda"], h.device)
+        with rng_restored(ctx.rng, h.device):
             with torch.enable_grad():
                 with torch.autocast(kind, dtype=dtype, enabled=enabled):
                     out = ctx.layer(h, *ctx.args)

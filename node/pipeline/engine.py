@@ -78,6 +78,7 @@ import torch
 
 from blocktrain.blocks.chain_train import stage_backward
 from blocktrain.blocks.layers import layer_checkpointing
+from blocktrain.blocks.rng import rng_restored, rng_state
 from blocktrain.node.loops import DutyCycle
 from blocktrain.node.pipeline.settings import PipelineSettings
 from blocktrain.node.pipeline.stats import PipelineStats
@@ -108,29 +109,6 @@ class _Work:
     window: tuple[str, int] | None = None  # (origin, window) of a flushed micro-batch
     open: bool = False                    # its graph is kept and its backward has not run (counted in _open)
     rng: dict | None = None               # recompute: the random state the forward started from (dropout)
-
-
-def _rng_state(device: torch.device) -> dict:
-    """The random state a forward starts from (CPU, and the device's on CUDA): a recompute replays it."""
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-@contextlib.contextmanager
-def _rng_restored(state: dict | None, device: torch.device):
-    """Run a recomputed forward from ``state`` (the same dropout masks as the forward it repeats), then
-    give the process its own random stream back. ``None``: the stream as it is (new masks)."""
-    if state is None:
-        yield
-        return
-    devices = [device] if "cuda" in state else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(state["cpu"])
-        if "cuda" in state:
-            torch.cuda.set_rng_state(state["cuda"], device)
-        yield
 
 
 class _Weights:
@@ -208,7 +186,7 @@ class PipelineEngine:
             ctx = None if context is None else context.to(dev)
             keep = self.mode == "backprop" and not self.last
             recompute = keep and self.settings.recompute   # no graph kept: the input and the random state only
-            rng = _rng_state(dev) if recompute else None
+            rng = rng_state(dev) if recompute else None
             if x is not None and self.mode == "backprop" and not recompute:
                 x.requires_grad_(True)
             with torch.no_grad() if recompute else contextlib.nullcontext():
@@ -287,7 +265,7 @@ class PipelineEngine:
                 self.stats.add("recomputed")
             if stale or h is None:                    # run the forward again (h is None: --pipeline-recompute)
                 x = None if x is None else x.detach().requires_grad_(True)
-                with _rng_restored(rng, t.device):
+                with rng_restored(rng, t.device):
                     if stale and weights is not None:   # with the weights that forward used (PipeDream)
                         self.stats.add("recomputed_stashed")
                         shadow = self._shadow_with(weights)
@@ -405,7 +383,7 @@ class PipelineEngine:
             stale = work.version != t.weights_version
             module = self._shadow_with(weights) if stale and weights is not None else t.module
             module.train()
-            with torch.no_grad(), _rng_restored(rng, t.device):
+            with torch.no_grad(), rng_restored(rng, t.device):
                 return self.objective.stage_forward(module, self.b, x, ctx).detach().cpu()
 
     async def _send(self, out: "torch.Tensor | StateSource", targets: torch.Tensor, deadline_s: float, origin: str,
