@@ -1,7 +1,7 @@
 """Trains ONE block on this worker: its module, its optimizer, its data stream, nothing else.
 
 The trainer is the only code that writes its block's weights: optimizer steps, an accepted
-averaging round (:meth:`apply_average`), a downloaded state (:meth:`adopt_parameters`,
+averaging round (:meth:`apply_change`), a downloaded state (:meth:`adopt_parameters`,
 :meth:`load_state`) and a resumed checkpoint all go through it, under ``self.lock`` (the training
 loop, hop serving and averaging run in different threads).
 
@@ -247,17 +247,22 @@ class BlockTrainer:
         with self.lock:
             return [p.detach().to("cpu").clone() for p in self.module.parameters()]
 
-    def parameters_for_round(self) -> tuple[list[torch.Tensor], float, int]:
-        """(parameters, averaging weight = samples since the last round, step), read together."""
+    def parameters_for_round(self, into: Sequence[torch.Tensor]) -> tuple[float, int]:
+        """Copy the live weights into ``into`` (the averager's buffers: no copy of ours) and return
+        the round's averaging weight (samples since the last round) and step, all read together."""
         with self.lock:
-            return (self.parameters_snapshot(), float(max(1, self.samples_since_average)), self.step)
+            with torch.no_grad():
+                for dst, p in zip(into, self.module.parameters()):
+                    dst.copy_(p.detach())
+            return float(max(1, self.samples_since_average)), self.step
 
-    def apply_average(self, averaged: Sequence[torch.Tensor], snapshot: Sequence[torch.Tensor]) -> None:
-        """Add an accepted round's change (average - snapshot) to the live weights, keeping the steps
-        taken while the round ran."""
+    def apply_change(self, change: Sequence[torch.Tensor]) -> None:
+        """Add an accepted round's change (group mean - the weights we sent) to the live weights,
+        keeping the steps taken while the round ran."""
         with self.lock:
-            for p, a, s in zip(self.module.parameters(), averaged, snapshot):
-                p.data.add_((a - s).to(p.device, p.dtype))
+            with torch.no_grad():
+                for p, c in zip(self.module.parameters(), change):
+                    p.add_(c.to(p.device, p.dtype))
             self.samples_since_average = 0
             self.weights_version += 1
 

@@ -12,9 +12,17 @@ hivemind averages its own shared-memory buffers, a second copy of the block. Bet
 reads them (a round writes them first; downloaders get the trainer's weights through ``state``), so
 their pages are given back to the system (:func:`free_shared_pages`) once a round is over: a node
 holds its block once except while it averages (a block's only holder, which tries no round, never).
+
+A round leaves in those buffers the *change* it makes (the group's mean minus what we sent: what
+hivemind's all-reduce computes anyway, part by part) rather than the mean, and the caller reads
+them in place (:meth:`BlockAveragerHandle.round` is a context manager): the node applies the change
+to its live weights while training goes on, so it needs no snapshot of its weights and no copy of
+the result. Measured (``docs/records/s22/roundpeak.py``): a round's peak above the node fell from
+5-6x the block's weights per replica to the all-reduce's own buffers.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import logging
@@ -25,13 +33,16 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable  # hivemind reads the rpc_* handlers' type hints
+from typing import Any, AsyncIterator, Callable, Iterator  # hivemind reads the rpc_* handlers' type hints
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import as_aiter, azip
+from hivemind.utils.timed_storage import get_dht_time
 
 from blocktrain.p2p.inprocess import RunsInThread
 from blocktrain.p2p.process import StopsWithParent, stop_process
@@ -152,7 +163,8 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
     it (:meth:`BlockAveragerHandle.shutdown`), and it exits on its own if the host dies).
 
     * ``bt_state``: callable returning ``(metadata, tensors)`` of the live block, served to late
-      joiners (runs in the host process: hivemind asks the host for the current state).
+      joiners (runs in the host process: hivemind asks the host for the current state). Required:
+      hivemind would otherwise serve the averaged buffers, which hold a round's change.
     * ``bt_authorize``: callable(peer id) -> bool for private runs.
     * ``bt_counters``: shared traffic counters (``mp.RawArray("q", 4)``).
     Peers refused by the host (``set_refused``) or not authorized cannot join our group, download
@@ -211,9 +223,7 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
         if await_ready:
             self.wait_until_ready(timeout)
 
-    def get_current_state(self):
-        if self.bt_state is None:
-            return super().get_current_state()
+    def get_current_state(self):   # never hivemind's own: the buffers hold a round's change, not the block
         meta, tensors = self.bt_state()
         return meta, tensors, self.tensor_infos
 
@@ -248,6 +258,32 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
             raise MatchmakingException(f"{REFUSED_GROUP} {', '.join(refused)}")
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
+        """hivemind 1.1.12's, except that each buffer ends holding the round's change (the delta the
+        all-reduce yields: group mean - what we sent) instead of having it added. A tensor's delta
+        comes only once every part of it was reduced, so our parts of it were already sent. A
+        buffer the all-reduce ended before reaching gets zeros (no change), so a round cut short
+        never leaves our own weights posing as a change; the caller sees the round fail anyway."""
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = AllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+                                 group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs)
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+            return
+        done = 0
+        try:
+            async for tensor, delta in azip(as_aiter(*tensors), runner):
+                tensor.copy_(delta.mul_(self._averaging_alpha) if self._averaging_alpha != 1 else delta)
+                done += 1
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+        finally:
+            for tensor in tensors[done:]:
+                tensor.zero_()
+
 
 class RoundFailed(Exception):
     """No usable all-reduce: ``refused`` is True when we left a group holding refused peers."""
@@ -260,7 +296,7 @@ class RoundFailed(Exception):
 @dataclass
 class RoundResult:
     gathered: dict[str, Any]          # peer id -> the metadata that member gathered (ours included)
-    averaged: list[torch.Tensor]      # the all-reduce result, copied out of the averager's buffers
+    change: list[torch.Tensor]        # group mean - what we sent: the averager's own buffers, read in place
 
 
 class BlockAveragerHandle:
@@ -271,8 +307,8 @@ class BlockAveragerHandle:
     default, None, lets a round with a dead member hold the averaged tensors' lock for ever).
     """
 
-    def __init__(self, dht, tensors: list[torch.Tensor], *, prefix: str, compression: str = "fp32",
-                 state: StateProvider | None = None, authorize: Callable[[str], bool] | None = None,
+    def __init__(self, dht, tensors: list[torch.Tensor], *, prefix: str, state: StateProvider,
+                 compression: str = "fp32", authorize: Callable[[str], bool] | None = None,
                  target_group_size: int = 4, matchmaking_time: float = 3.0, round_timeout: float = 20.0,
                  allreduce_timeout: float = 30.0, start_timeout: float = 60.0, shutdown_timeout: float = 2.0):
         self.prefix, self.compression = prefix, compression
@@ -325,10 +361,24 @@ class BlockAveragerHandle:
         return {"bytes_sent": int(c[_SENT]), "bytes_received": int(c[_RECV]),
                 "messages_sent": int(c[_MSENT]), "messages_received": int(c[_MRECV])}
 
-    def round(self, tensors: list[torch.Tensor], *, weight: float, gather: dict, refused=(),
-              cancel: threading.Event | None = None) -> RoundResult:
-        """All-reduce ``tensors`` (weighted by ``weight``) with whatever group forms; bounded in time."""
-        self._write(tensors)
+    @contextlib.contextmanager
+    def staging(self) -> Iterator[list[torch.Tensor]]:
+        """The averager's buffers, to fill with the weights of the next :meth:`round` (the caller
+        copies its live weights in under its own lock; a bounded wait here first, never under the
+        caller's lock: an all-reduce of ours given up on may hold the buffers up to allreduce_timeout).
+        They may be read, not written, after the block and until the round."""
+        lock = self._locked()
+        try:
+            yield list(self.averager._averaged_tensors)
+        finally:
+            lock.release()
+
+    @contextlib.contextmanager
+    def round(self, *, weight: float, gather: dict, refused=(),
+              cancel: threading.Event | None = None) -> Iterator[RoundResult]:
+        """All-reduce what was staged (:meth:`staging`), weighted by ``weight``, with whatever group
+        forms; bounded in time. Yields the result, whose ``change`` is the averager's buffers
+        themselves: the averager does not touch them until the block ends, then gives their pages back."""
         error: BaseException | None = None
         gathered = None
         try:
@@ -352,18 +402,21 @@ class BlockAveragerHandle:
                     raise RoundFailed(str(error)[str(error).index(REFUSED_GROUP):], refused=True)
                 raise RoundFailed(f"{type(error).__name__}: {error}" if error is not None else
                                   "no group formed (no same-block peer joined the round)")
-            return RoundResult({str(k): v for k, v in gathered.items()}, self._read())
+            lock = self._locked()
+            try:
+                yield RoundResult({str(k): v for k, v in gathered.items()}, list(self.averager._averaged_tensors))
+            finally:
+                lock.release()
         finally:
             self._release()
 
     def _release(self) -> None:
         """Free the averager's buffers between rounds, so a node holds its block once, not twice.
-        Nothing reads them then: :meth:`round` writes them first, and downloaders get the trainer's
+        Nothing reads them then: :meth:`staging` fills them first, and downloaders get the trainer's
         weights (``state``). Kept while a step of ours may still run (a round given up on: its late
-        all-reduce must not send zeros to the group), and when there is no state provider (hivemind
-        would then share the buffers themselves)."""
+        all-reduce must not send zeros to the group)."""
         c = self._control
-        if self.averager.bt_state is None or (c is not None and not c.done()):
+        if c is not None and not c.done():
             return
         try:
             lock = self._locked()
@@ -379,23 +432,6 @@ class BlockAveragerHandle:
         if not lock.acquire(timeout=self.allreduce_timeout + 5):
             raise RoundFailed("the averager is still busy with an earlier all-reduce")
         return lock
-
-    def _write(self, tensors: list[torch.Tensor]) -> None:
-        """Like hivemind's ``get_tensors()`` but waiting a bounded time for its lock (held by the
-        averager process during an all-reduce, itself bounded by allreduce_timeout)."""
-        lock = self._locked()
-        try:
-            for s, x in zip(self.averager._averaged_tensors, tensors):
-                s.copy_(x)
-        finally:
-            lock.release()
-
-    def _read(self) -> list[torch.Tensor]:
-        lock = self._locked()
-        try:
-            return [s.detach().clone() for s in self.averager._averaged_tensors]
-        finally:
-            lock.release()
 
     def download_state(self, timeout: float = 30.0) -> tuple[dict, list[torch.Tensor]] | None:
         """The block's state from a same-prefix peer that shares it, or None if none answered in

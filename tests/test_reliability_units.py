@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from blocktrain.node.averaging.acceptance import AcceptancePolicy, check_group, judge
+from blocktrain.node.averaging.acceptance import AcceptancePolicy, check_group, judge, tensors_norm
 from blocktrain.node.routing.bans import PeerBans
 from blocktrain.node.auth import MIN_SECRET_BYTES, RunAuth, load_secret, validate_peer_id
 
@@ -25,24 +25,47 @@ def _loss(tensors) -> float:   # a stand-in check loss: distance from the all-on
     return float(sum((t - 1).pow(2).mean() for t in tensors))
 
 
+def _judge(local, averaged, policy, check_loss):   # a round that moved ``local`` to ``averaged``
+    return judge([a - x for a, x in zip(averaged, local)], policy, local_norm=tensors_norm(local), local=local,
+                 check_loss=check_loss)
+
+
 def test_acceptance_tiers():
     P = AcceptancePolicy()
     local = [torch.ones(8)]
-    assert not judge(local, [torch.full((8,), float("nan"))], P, _loss).accepted
-    v = judge(local, [torch.ones(8) * 1000], P, _loss)
+    assert not _judge(local, [torch.full((8,), float("nan"))], P, _loss).accepted
+    v = _judge(local, [torch.ones(8) * 1000], P, _loss)
     assert not v.accepted and "change too large" in v.reason and v.relative_change > 100
     # a replica far from its group (5x its own norm) catching up: loss falls -> accepted
     far = [torch.full((8,), 0.2)]
-    assert judge(far, [torch.ones(8)], P, _loss).accepted
+    assert _judge(far, [torch.ones(8)], P, _loss).accepted
     # the same size of change away from good weights: loss rises -> rejected
-    v = judge(local, [torch.full((8,), -2.0)], P, _loss)
+    v = _judge(local, [torch.full((8,), -2.0)], P, _loss)
     assert not v.accepted and "large change" in v.reason
     # a small change that raises the check loss by more than 0.5 nats
-    v = judge(local, [torch.full((8,), 1.8)], P, _loss)
+    v = _judge(local, [torch.full((8,), 1.8)], P, _loss)
     assert not v.accepted and "check loss rose" in v.reason
-    assert judge(local, [torch.full((8,), 1.1)], P, _loss).accepted
+    assert _judge(local, [torch.full((8,), 1.1)], P, _loss).accepted
     # verdict numbers stay JSON-safe
-    assert judge(local, [torch.full((8,), float("inf"))], P, _loss).relative_change is None
+    assert _judge(local, [torch.full((8,), float("inf"))], P, _loss).relative_change is None
+    # without a check loss (chain-trained blocks): finiteness and the change's size only
+    assert judge([torch.full((8,), 0.5)], P, local_norm=tensors_norm(local)).accepted
+    v = judge([torch.full((8,), 2.0)], P, local_norm=tensors_norm(local))
+    assert not v.accepted and "change too large" in v.reason and v.relative_change == pytest.approx(2.0)
+    assert not judge([torch.full((8,), float("nan"))], P, local_norm=1.0).accepted
+    assert "shape mismatch" in judge([torch.ones(8)], P, local_norm=1.0, local=[torch.ones(4)], check_loss=_loss).reason
+
+
+def test_weight_sketch_and_norm_match_the_concatenated_block():
+    """The sketch and the norm are read tensor by tensor (no float64 copy of the block); the same
+    figures as on the concatenation, for tensors whose sizes do not divide the sketch's stride."""
+    from blocktrain.node.averaging.acceptance import SKETCH_SIZE, weight_sketch
+    gen = torch.Generator().manual_seed(3)
+    ts = [torch.randn(s, generator=gen) for s in [(5, 3), (7,), (1,), (4, 4, 2), (13,), (2, 9)]]
+    flat = torch.cat([t.reshape(-1).double() for t in ts])
+    assert weight_sketch(ts) == pytest.approx([float(flat[j::SKETCH_SIZE].sum()) for j in range(SKETCH_SIZE)],
+                                              rel=1e-12, abs=1e-12)
+    assert tensors_norm(ts) == pytest.approx(float(flat.norm()), rel=1e-12)
 
 
 def test_check_group_names_offenders():
@@ -158,17 +181,17 @@ def test_garbage_sketches_from_a_member_leave_the_round_diagnostics_alone():
     from blocktrain.node.averaging.acceptance import weight_sketch
     from blocktrain.node.averaging.rounds import AveragingStats, BlockAverager
     mine = [torch.ones(40, 10)]
-    mean = [torch.full((40, 10), 2.0)]
+    change = [torch.ones(40, 10)]      # the round moved us to the mean, 2.0 everywhere
     stamp = {"weight": 1.0, "sketch": weight_sketch(mine)}
     for bad in (float("inf"), float("nan")):
         fake = SimpleNamespace(stats=AveragingStats(), round_no=1)
         gathered = {"me": stamp, "them": {"weight": 1.0, "sketch": [bad] * len(stamp["sketch"])}}
-        BlockAverager._note_completeness(fake, gathered, stamp, mean)
+        BlockAverager._note_completeness(fake, gathered, stamp, change)
         assert fake.stats.last_completeness is None and fake.stats.partial == 0
     fake = SimpleNamespace(stats=AveragingStats(), round_no=1)
     for junk in ({"weight": "x", "sketch": [1.0]}, {"sketch": None}, "not a dict"):
-        BlockAverager._note_completeness(fake, {"me": stamp, "them": junk}, stamp, mean)
+        BlockAverager._note_completeness(fake, {"me": stamp, "them": junk}, stamp, change)
         assert fake.stats.last_completeness is None
     good = {"me": stamp, "them": {"weight": 1.0, "sketch": weight_sketch([torch.full((40, 10), 3.0)])}}
-    BlockAverager._note_completeness(fake, good, stamp, mean)
+    BlockAverager._note_completeness(fake, good, stamp, change)
     assert fake.stats.last_completeness == pytest.approx(1.0) and fake.stats.partial == 0

@@ -61,21 +61,29 @@ class Verdict:
                 object.__setattr__(self, name, None)
 
 
-def judge(local: Sequence[torch.Tensor], averaged: Sequence[torch.Tensor], policy: AcceptancePolicy,
+def tensors_norm(tensors: Sequence[torch.Tensor]) -> float:
+    """The L2 norm of a list of tensors, in float64, one tensor at a time (no concatenated copy)."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2 for t in tensors))
+
+
+def judge(change: Sequence[torch.Tensor], policy: AcceptancePolicy, *, local_norm: float,
+          local: Sequence[torch.Tensor] | None = None,
           check_loss: Callable[[Sequence[torch.Tensor]], float] | None = None) -> Verdict:
-    if len(local) != len(averaged) or any(a.shape != b.shape for a, b in zip(local, averaged)):
+    """Judge a round by the change it makes: ``change`` is the group's mean minus the weights we
+    sent, tensor by tensor; ``local_norm`` the norm of those weights. The check loss (``check_loss``,
+    for blocks that have a loss alone) compares ``local`` (then required) with ``local + change``."""
+    if check_loss is not None and (local is None or len(local) != len(change)
+                                   or any(a.shape != b.shape for a, b in zip(local, change))):
         return Verdict(False, "shape mismatch between local and averaged tensors")
-    if not all(bool(torch.isfinite(a).all()) for a in averaged):
+    if not all(bool(torch.isfinite(c).all()) for c in change):
         return Verdict(False, "non-finite values in the averaged weights")
-    num = math.sqrt(sum(float((a.double() - b.double()).pow(2).sum()) for a, b in zip(averaged, local)))
-    den = math.sqrt(sum(float(b.double().pow(2).sum()) for b in local)) + 1e-12
-    rel = num / den
+    rel = tensors_norm(change) / (local_norm + 1e-12)
     if rel > policy.hard_relative_change or (check_loss is None and rel > policy.max_relative_change):
         limit = policy.hard_relative_change if check_loss is not None else policy.max_relative_change
         return Verdict(False, f"change too large: {rel:.3g} x the local weights (limit {limit})", rel)
     if check_loss is None:
         return Verdict(True, "ok", rel)
-    l_local, l_avg = check_loss(local), check_loss(averaged)
+    l_local, l_avg = check_loss(local), check_loss([x + c for x, c in zip(local, change)])
     if rel > policy.max_relative_change and not l_avg <= l_local + policy.large_change_loss_slack:
         return Verdict(False, f"large change ({rel:.3g} x the local weights, over {policy.max_relative_change}) "
                               f"that does not keep the held-out check loss ({l_local:.3f} -> {l_avg:.3f})",
@@ -123,10 +131,20 @@ SKETCH_SIZE = 8
 
 def weight_sketch(tensors: Sequence[torch.Tensor]) -> list[float]:
     """A linear fingerprint of a block's weights: sums over SKETCH_SIZE interleaved slices of the
-    flattened tensors. Linear, so the sketch of a weighted mean is the weighted mean of sketches,
-    and every slice draws on every tensor part the all-reduce moves."""
-    flat = torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
-    return [float(flat[j::SKETCH_SIZE].sum()) for j in range(SKETCH_SIZE)]
+    flattened tensors (element k of the concatenation goes to slice k mod SKETCH_SIZE). Linear, so
+    the sketch of a weighted mean is the weighted mean of sketches, and every slice draws on every
+    tensor part the all-reduce moves. Summed in float64 slice by slice of each tensor: a copy of
+    an eighth of one tensor at a time (a float64 concatenation of the block was 2-4x its weights)."""
+    sums = [0.0] * SKETCH_SIZE
+    offset = 0
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        for j in range(SKETCH_SIZE):
+            start = (j - offset) % SKETCH_SIZE
+            if start < flat.numel():
+                sums[j] += float(flat[start::SKETCH_SIZE].sum(dtype=torch.float64))
+        offset += flat.numel()
+    return sums
 
 
 def round_completeness(own: Sequence[float], result: Sequence[float],

@@ -3,9 +3,12 @@
 No coordinator: replicas of block b of run R meet under the DHT prefix ``{R}_block{b}`` every
 few local steps, all-reduce their parameters weighted by samples since the last round, and each
 one accepts the result only after robust checks (``acceptance.py``). Training never waits on a
-round: rounds run in their own thread, and the accepted *change* (average - snapshot) is handed to
-the trainer, which adds it to the live weights, so steps taken during the round are kept. The
-averager also serves the block's current state to late joiners (:meth:`download_state`).
+round: rounds run in their own thread, and the accepted *change* (group mean - the weights we
+sent) is handed to the trainer, which adds it to the live weights, so steps taken during the round
+are kept. The weights go straight into the averager's buffers and the change is read there in
+place (p2p/averager.py): a round holds no copy of the block of ours, except the weights sent, kept
+for the check loss of objectives judged by it. The averager also serves the block's current state
+to late joiners (:meth:`download_state`).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from blocktrain.node.averaging.acceptance import (AcceptancePolicy, Verdict, check_group, judge,
-                                                  round_completeness, weight_sketch)
+                                                  round_completeness, tensors_norm, weight_sketch)
 from blocktrain.node.routing.bans import PeerBans
 from blocktrain.node.trainer import BlockTrainer
 from blocktrain.p2p.averager import BlockAveragerHandle, RoundFailed
@@ -57,7 +60,9 @@ class BlockAverager:
         self.prefix = prefix or f"{run_id}_block{trainer.block_index}"
         self.authorize = authorize          # private runs: may this peer average with us?
         self.bans = bans or PeerBans()      # peers blamed for rejected rounds (see acceptance.py)
-        self.handle = BlockAveragerHandle(dht, trainer.parameters_snapshot(), prefix=self.prefix,
+        # the averager's buffers take their shapes from the live weights; their values are never read
+        # before a round stages the weights (and they are given back once the averager is up)
+        self.handle = BlockAveragerHandle(dht, [p.detach() for p in trainer.module.parameters()], prefix=self.prefix,
                                           compression=compression, state=trainer.shared_state,
                                           authorize=authorize, **handle_kw)
         self._lock = threading.Lock()
@@ -104,29 +109,41 @@ class BlockAverager:
         self.stats.attempted += 1
         if not t.ready():   # e.g. forward-chained without snapshots of blocks < b: cannot judge a round
             return self._failed(t.not_ready_reason())
-        snapshot, weight, step = t.parameters_for_round()
+        try:
+            with self.handle.staging() as buffers:
+                weight, step = t.parameters_for_round(buffers)
+        except RoundFailed as e:
+            return self._failed(e.reason)
+        # read from the staged buffers, which nothing writes until the round starts
+        sent = [x.clone() for x in buffers] if t.judges_by_loss else None   # the check loss needs them
         stamp = {"round": self.round_no, "step": step, "peer": self.peer_id,
-                 "config_hash": t.cfg.config_hash, "n_tensors": len(snapshot),
-                 "weight": weight, "sketch": weight_sketch(snapshot)}
+                 "config_hash": t.cfg.config_hash, "n_tensors": len(buffers),
+                 "weight": weight, "sketch": weight_sketch(buffers)}
+        sent_norm = tensors_norm(buffers)
         t0 = time.monotonic()
         try:
-            res = self.handle.round(snapshot, weight=weight, gather=stamp, refused=self.bans.banned(),
-                                    cancel=self.cancel_event)
+            with self.handle.round(weight=weight, gather=stamp, refused=self.bans.banned(),
+                                   cancel=self.cancel_event) as res:
+                self.stats.round_seconds.append(round(time.monotonic() - t0, 3))
+                del self.stats.round_seconds[:-100]
+                return self._settle(res.gathered, res.change, stamp, sent, sent_norm)
         except RoundFailed as e:
             if e.refused:   # we left a group holding banned peers
                 return self._record(Verdict(False, e.reason), 0)
             return self._failed(e.reason)
-        self.stats.round_seconds.append(round(time.monotonic() - t0, 3))
-        del self.stats.round_seconds[:-100]
-        gathered = res.gathered
+
+    def _settle(self, gathered: dict, change: list, stamp: dict, sent, sent_norm: float) -> Verdict:
+        """Judge a round that formed a group and apply its change if accepted."""
+        t = self.trainer
         others = [p for p in gathered if p != self.peer_id]
         verdict = check_group(gathered, self_peer=self.peer_id, config_hash=t.cfg.config_hash,
-                              n_tensors=len(snapshot), authorize=self.authorize, banned=self.bans.is_banned)
+                              n_tensors=len(change), authorize=self.authorize, banned=self.bans.is_banned)
         if verdict is not None:
             self.bans.strike(verdict.offenders, verdict.reason, attributable=True)
         else:
             # chain-trained blocks have no loss alone: judged on finiteness and change size only
-            verdict = judge(snapshot, res.averaged, self.policy, t.check_loss_of if t.judges_by_loss else None)
+            verdict = judge(change, self.policy, local_norm=sent_norm, local=sent,
+                            check_loss=t.check_loss_of if t.judges_by_loss else None)
             if verdict.accepted:
                 self.bans.forgive(others)
             else:   # the mean cannot be pinned on one member: blame every other member (acceptance.py)
@@ -136,9 +153,9 @@ class BlockAverager:
         if not verdict.accepted:
             log.warning("rejected averaging round %d: %s", self.round_no, verdict.reason)
             return verdict
-        t.apply_average(res.averaged, snapshot)
+        t.apply_change(change)
         self.stats.succeeded += 1
-        self._note_completeness(gathered, stamp, res.averaged)
+        self._note_completeness(gathered, stamp, change)
         self.stats.last_accepted_time = time.time()
         return verdict
 
@@ -158,14 +175,15 @@ class BlockAverager:
         self.stats.failed += 1
         self.stats.last_failure = why[:300]
 
-    def _note_completeness(self, gathered: dict, stamp: dict, averaged) -> None:
+    def _note_completeness(self, gathered: dict, stamp: dict, change) -> None:
         """Diagnostics only: did the all-reduce average every part? (members' claims are not trusted
         for acceptance; a member that lies here only skews this counter)."""
         try:
             members = [(float(g["weight"]), [float(x) for x in g["sketch"]]) for g in gathered.values()]
             if any(len(s) != len(stamp["sketch"]) or not all(map(math.isfinite, [w, *s])) for w, s in members):
                 return   # a member sent no usable sketch (an older node, or garbage)
-            c = round_completeness(stamp["sketch"], weight_sketch(averaged), members)
+            result = [o + c for o, c in zip(stamp["sketch"], weight_sketch(change))]   # the sketch is linear
+            c = round_completeness(stamp["sketch"], result, members)
         except (KeyError, TypeError, ValueError):
             return
         if c is not None and not math.isfinite(c):
