@@ -235,11 +235,20 @@ class BlockTrainer:
         return float(loss)
 
     def check_loss_of(self, tensors: Sequence[torch.Tensor]) -> float:
-        """The check loss of this block with ``tensors`` as its parameters (in ``parameters()`` order)."""
-        probe = self.objective.build_block(self.block_index).to(self.device)
+        """The check loss of this block with ``tensors`` as its parameters (in ``parameters()`` order).
+        The probe block is built on the meta device and takes ``tensors`` themselves as its
+        parameters where they fit (this device and dtype), so its own initial weights never take
+        memory; its buffers (constant tables) are copied from the live block."""
+        with torch.device("meta"):
+            probe = self.objective.build_block(self.block_index)
+        probe = probe.to_empty(device=self.device)
         with torch.no_grad():
+            with self.lock:
+                live = dict(self.module.named_buffers())
+                for name, b in probe.named_buffers():
+                    b.copy_(live[name])
             for p, x in zip(probe.parameters(), tensors):
-                p.copy_(x.to(p.device, p.dtype))
+                p.data = x if (x.device == p.device and x.dtype == p.dtype) else x.to(p.device, p.dtype)
         return self.check_loss(probe)
 
     # -- weights: the one writer ----------------------------------------------------------------

@@ -67,23 +67,19 @@ def tensors_norm(tensors: Sequence[torch.Tensor]) -> float:
 
 
 def judge(change: Sequence[torch.Tensor], policy: AcceptancePolicy, *, local_norm: float,
-          local: Sequence[torch.Tensor] | None = None,
-          check_loss: Callable[[Sequence[torch.Tensor]], float] | None = None) -> Verdict:
+          check_losses: Callable[[], tuple[float, float]] | None = None) -> Verdict:
     """Judge a round by the change it makes: ``change`` is the group's mean minus the weights we
-    sent, tensor by tensor; ``local_norm`` the norm of those weights. The check loss (``check_loss``,
-    for blocks that have a loss alone) compares ``local`` (then required) with ``local + change``."""
-    if check_loss is not None and (local is None or len(local) != len(change)
-                                   or any(a.shape != b.shape for a, b in zip(local, change))):
-        return Verdict(False, "shape mismatch between local and averaged tensors")
+    sent, tensor by tensor; ``local_norm`` the norm of those weights. ``check_losses`` (for blocks
+    that have a loss alone) returns the held-out check loss of the weights sent and of the average."""
     if not all(bool(torch.isfinite(c).all()) for c in change):
         return Verdict(False, "non-finite values in the averaged weights")
     rel = tensors_norm(change) / (local_norm + 1e-12)
-    if rel > policy.hard_relative_change or (check_loss is None and rel > policy.max_relative_change):
-        limit = policy.hard_relative_change if check_loss is not None else policy.max_relative_change
+    if rel > policy.hard_relative_change or (check_losses is None and rel > policy.max_relative_change):
+        limit = policy.hard_relative_change if check_losses is not None else policy.max_relative_change
         return Verdict(False, f"change too large: {rel:.3g} x the local weights (limit {limit})", rel)
-    if check_loss is None:
+    if check_losses is None:
         return Verdict(True, "ok", rel)
-    l_local, l_avg = check_loss(local), check_loss([x + c for x, c in zip(local, change)])
+    l_local, l_avg = check_losses()
     if rel > policy.max_relative_change and not l_avg <= l_local + policy.large_change_loss_slack:
         return Verdict(False, f"large change ({rel:.3g} x the local weights, over {policy.max_relative_change}) "
                               f"that does not keep the held-out check loss ({l_local:.3f} -> {l_avg:.3f})",

@@ -141,9 +141,15 @@ class BlockAverager:
         if verdict is not None:
             self.bans.strike(verdict.offenders, verdict.reason, attributable=True)
         else:
+            def check_losses() -> tuple[float, float]:   # the copy of the weights sent becomes the average
+                before = t.check_loss_of(sent)
+                for x, c in zip(sent, change):
+                    x.add_(c)
+                return before, t.check_loss_of(sent)
+
             # chain-trained blocks have no loss alone: judged on finiteness and change size only
-            verdict = judge(change, self.policy, local_norm=sent_norm, local=sent,
-                            check_loss=t.check_loss_of if t.judges_by_loss else None)
+            verdict = judge(change, self.policy, local_norm=sent_norm,
+                            check_losses=check_losses if t.judges_by_loss else None)
             if verdict.accepted:
                 self.bans.forgive(others)
             else:   # the mean cannot be pinned on one member: blame every other member (acceptance.py)

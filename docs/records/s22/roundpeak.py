@@ -3,7 +3,10 @@ of fp32 weights each) average in one process (hivemind in threads, the node's de
 process's high-water mark (VmHWM, reset to VmRSS through /proc/self/clear_refs just before the round)
 is read above what it held before. Prints JSON: MiB above the start, per replica block size.
 
-    python docs/records/s22/roundpeak.py [d_model]
+    python docs/records/s22/roundpeak.py [d_model [objective]]
+
+(``paper``, a block-local objective, is judged by its held-out check loss: that round keeps a copy of
+the weights sent and builds a probe block for the loss.)
 """
 import json
 import sys
@@ -29,7 +32,8 @@ def kib(key):
 
 
 d = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
-cfg = ModelConfig(objective="pipeline", d_model=d, n_heads=8, layers_per_block=2, n_blocks=4, seq_len=32,
+objective = sys.argv[2] if len(sys.argv) > 2 else "pipeline"
+cfg = ModelConfig(objective=objective, d_model=d, n_heads=8, layers_per_block=2, n_blocks=4, seq_len=32,
                   batch_size=2, target_dim=16)
 data = np.frombuffer(bytes(range(256)) * 64, dtype=np.uint8)
 first = Discovery.start(host_maddrs=["/ip4/127.0.0.1/tcp/0"], run_ids=["peak"])
@@ -57,7 +61,7 @@ try:
     for th in ths:
         th.join(120)
     peak = (kib("VmHWM:") - before) / 1024
-    print(json.dumps({"d_model": d, "block_mib": round(block_mib, 1), "round_peak_mib_two_replicas": round(peak, 1),
+    print(json.dumps({"objective": objective, "d_model": d, "block_mib": round(block_mib, 1), "round_peak_mib_two_replicas": round(peak, 1),
                       "per_replica_in_blocks": round(peak / 2 / block_mib, 2),
                       "accepted": [bool(out.get(k) and out[k].accepted) for k in (0, 1)],
                       "seconds": round(time.monotonic() - t0, 1)}))
