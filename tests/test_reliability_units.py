@@ -55,16 +55,24 @@ def test_acceptance_tiers():
     assert not judge([torch.full((8,), float("nan"))], P, local_norm=1.0).accepted
 
 
-def test_weight_sketch_and_norm_match_the_concatenated_block():
-    """The sketch and the norm are read tensor by tensor (no float64 copy of the block); the same
-    figures as on the concatenation, for tensors whose sizes do not divide the sketch's stride."""
+@pytest.mark.parametrize("piece", [None, 5, 8])
+def test_weight_sketch_and_norm_match_the_concatenated_block(piece, monkeypatch):
+    """The sketch and the norm are read a piece of a tensor at a time (no float64 copy of the block);
+    the same figures as on the concatenation, for tensors and pieces whose sizes do not divide the
+    sketch's stride."""
+    from blocktrain.node.averaging import acceptance
     from blocktrain.node.averaging.acceptance import SKETCH_SIZE, weight_sketch
+    if piece is not None:
+        monkeypatch.setattr(acceptance, "_PIECE", piece)
     gen = torch.Generator().manual_seed(3)
     ts = [torch.randn(s, generator=gen) for s in [(5, 3), (7,), (1,), (4, 4, 2), (13,), (2, 9)]]
     flat = torch.cat([t.reshape(-1).double() for t in ts])
     assert weight_sketch(ts) == pytest.approx([float(flat[j::SKETCH_SIZE].sum()) for j in range(SKETCH_SIZE)],
                                               rel=1e-12, abs=1e-12)
     assert tensors_norm(ts) == pytest.approx(float(flat.norm()), rel=1e-12)
+    bad = [t.clone() for t in ts]
+    bad[3].view(-1)[17] = float("nan")
+    assert not judge(bad, acceptance.AcceptancePolicy(), local_norm=1.0).accepted
 
 
 def test_check_group_names_offenders():

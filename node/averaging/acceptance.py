@@ -61,9 +61,17 @@ class Verdict:
                 object.__setattr__(self, name, None)
 
 
+_PIECE = 1 << 18   # elements summed at a time: a float64 copy of 2 MiB at most
+
+
+def _pieces(tensors: Sequence[torch.Tensor]):
+    for t in tensors:
+        yield from t.detach().reshape(-1).split(_PIECE)
+
+
 def tensors_norm(tensors: Sequence[torch.Tensor]) -> float:
-    """The L2 norm of a list of tensors, in float64, one tensor at a time (no concatenated copy)."""
-    return math.sqrt(sum(float(torch.linalg.vector_norm(t.detach(), dtype=torch.float64)) ** 2 for t in tensors))
+    """The L2 norm of a list of tensors, summed in float64 a piece at a time (no copy of the block)."""
+    return math.sqrt(sum(float(torch.linalg.vector_norm(x, dtype=torch.float64)) ** 2 for x in _pieces(tensors)))
 
 
 def judge(change: Sequence[torch.Tensor], policy: AcceptancePolicy, *, local_norm: float,
@@ -71,7 +79,7 @@ def judge(change: Sequence[torch.Tensor], policy: AcceptancePolicy, *, local_nor
     """Judge a round by the change it makes: ``change`` is the group's mean minus the weights we
     sent, tensor by tensor; ``local_norm`` the norm of those weights. ``check_losses`` (for blocks
     that have a loss alone) returns the held-out check loss of the weights sent and of the average."""
-    if not all(bool(torch.isfinite(c).all()) for c in change):
+    if not all(bool(torch.isfinite(x).all()) for x in _pieces(change)):
         return Verdict(False, "non-finite values in the averaged weights")
     rel = tensors_norm(change) / (local_norm + 1e-12)
     if rel > policy.hard_relative_change or (check_losses is None and rel > policy.max_relative_change):
@@ -129,12 +137,11 @@ def weight_sketch(tensors: Sequence[torch.Tensor]) -> list[float]:
     """A linear fingerprint of a block's weights: sums over SKETCH_SIZE interleaved slices of the
     flattened tensors (element k of the concatenation goes to slice k mod SKETCH_SIZE). Linear, so
     the sketch of a weighted mean is the weighted mean of sketches, and every slice draws on every
-    tensor part the all-reduce moves. Summed in float64 slice by slice of each tensor: a copy of
-    an eighth of one tensor at a time (a float64 concatenation of the block was 2-4x its weights)."""
+    tensor part the all-reduce moves. Summed in float64 a piece of a tensor at a time (a float64
+    concatenation of the block was 2-4x its weights)."""
     sums = [0.0] * SKETCH_SIZE
     offset = 0
-    for t in tensors:
-        flat = t.detach().reshape(-1)
+    for flat in _pieces(tensors):
         for j in range(SKETCH_SIZE):
             start = (j - offset) % SKETCH_SIZE
             if start < flat.numel():
