@@ -8,7 +8,7 @@ for run in 1 2 3; do
   for obj in pipeline paper; do
     for code in old new; do
       if [ $code = old ]; then export PYTHONPATH=/work/s21shim; else unset PYTHONPATH; fi
-      line=$(python docs/records/s22/roundpeak.py 768 $obj 2>/dev/null | grep '^{')
+      line=$(/work/venv/bin/python docs/records/s22/roundpeak.py 768 $obj 2>/dev/null | grep '^{')
       echo "{\"code\": \"$code\", \"run\": $run, \"utc\": \"$(date -u +%H:%M:%S)\", ${line#\{}"
     done
   done
