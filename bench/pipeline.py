@@ -93,6 +93,7 @@ class PipelineBenchSettings:
     gen_bytes: int = 256
     delay_ms: float = 25.0
     average_every: int = 10
+    average_clock: float = 0.0      # --average-clock of every worker (0: off)
     compression: str = "fp32"       # --pipeline-compression of every worker
     inflight: int = 1               # --pipeline-inflight of every worker (the node's default)
     weight_stash: bool = False      # --pipeline-weight-stash of every worker (the node's default)
@@ -175,7 +176,8 @@ class _Network:
         self.sets = [*s.overrides, f"objective={objective}", *([f"init_seed={s.seed}"] if s.seed else []),
                      *([f"lr={s.lrs[objective]!r}"] if objective in s.lrs else [])]
         self.cfg = ModelConfig.from_dict(typed_settings(self.sets), source="bench pipeline config")
-        extra = ["--device", s.device, "--seed", str(s.seed), "--average-every", str(s.average_every), "--checkpoint-every", str(10**9),
+        extra = ["--device", s.device, "--seed", str(s.seed), "--average-every", str(s.average_every),
+                 "--average-clock", repr(float(s.average_clock)), "--checkpoint-every", str(10**9),
                  "--pipeline-inflight", str(s.inflight), "--pipeline-compression", s.compression,
                  "--pipeline-weight-stash" if s.weight_stash else "--no-pipeline-weight-stash"]
         if s.flush:

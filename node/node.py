@@ -76,6 +76,11 @@ def _asked(what: str, stopped_when_asked: bool) -> None:
         raise RuntimeError(f"{what} did not stop when asked and was killed")
 
 
+def next_clock_slot(now: float, period: float) -> float:
+    """The first multiple of ``period`` seconds of the wall clock after ``now`` (an --average-clock instant)."""
+    return (math.floor(now / period) + 1) * period
+
+
 class Node:
     def __init__(self, opts: NodeOptions):
         self.opts = opts
@@ -392,12 +397,19 @@ class Node:
             self.save_checkpoint()
 
     def _average(self, stop: threading.Event) -> None:
-        """A round every ``average_every`` local steps; while not training (max steps reached,
-        serve-only), a round every ``average_period`` seconds so idle replicas keep converging."""
+        """A round every ``average_every`` local steps; with ``average_clock``, also at each multiple of
+        that many seconds of the wall clock, the same instants on every holder (replicas that step
+        at different rates still look for a group together); while not training (max steps
+        reached, serve-only), a round every ``average_period`` seconds so idle replicas keep converging."""
         last = time.monotonic()
+        clock = self.opts.average_clock
+        slot = next_clock_slot(time.time(), clock) if clock > 0 else math.inf
         while not stop.is_set():
             woke = self._avg_wakeup.wait(timeout=0.5)
-            if not woke and not (self._idle() and time.monotonic() - last >= self.opts.average_period):
+            on_clock = time.time() >= slot
+            if on_clock:
+                slot = next_clock_slot(time.time(), clock)
+            if not (woke or on_clock or (self._idle() and time.monotonic() - last >= self.opts.average_period)):
                 continue
             last = time.monotonic()
             self._avg_wakeup.clear()

@@ -33,6 +33,7 @@ class NodeOptions:
     http_port: int | None = None
     average_every: int = 20                    # local steps between averaging rounds
     average_period: float = 10.0               # seconds between rounds while not training
+    average_clock: float = 0.0                 # while training, also a round at each multiple of this (UTC s); 0: off
     checkpoint_every: int = 100
     eval_every: float = 0.0                    # seconds between held-out chain CE measurements (0: off)
     max_steps: int | None = None               # stop training after this many local steps (serve on)
@@ -86,6 +87,8 @@ class NodeOptions:
             raise ValueError(f"--http-port must be in [0, 65535], got {self.http_port}")
         if self.average_every < 1 or self.checkpoint_every < 1:
             raise ValueError("--average-every and --checkpoint-every must be >= 1")
+        if not (0 <= self.average_clock < float("inf")):
+            raise ValueError(f"--average-clock must be a number of seconds >= 0, got {self.average_clock}")
         if self.averaging_compression not in ("fp32", "fp16", "8bit"):
             raise ValueError(f"--averaging-compression must be fp32, fp16 or 8bit, got {self.averaging_compression!r}")
         if not 1.0 <= self.upstream_refresh <= 86_400.0:

@@ -21,13 +21,15 @@ pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(600)]
 def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "blocktrain.cli.main", "bench", "pipeline", "--tiny", "--objective", "pipeline",
-         "--inflight", "3", "--weight-stash", "--curve-every", "3", "--average-every", "3", "--data", str(TEST_CORPUS),
+         "--inflight", "3", "--weight-stash", "--curve-every", "3", "--average-every", "3", "--average-clock", "5",
+         "--data", str(TEST_CORPUS),
          "--workdir", str(tmp_path / "w"), "--json"],
         capture_output=True, text=True, timeout=540, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     r, s = res["runs"]["pipeline"], res["settings"]
     assert list(res["runs"]) == ["pipeline"] and s["plan"] == [0, 1, 1] and s["average_every"] == 3
+    assert s["average_clock"] == 5
     assert r["chain_ce"] < r["chain_ce_init"] - 0.5 and r["chain_ce_init"] == pytest.approx(math.log(256), abs=0.1)
     assert len(r["chain_ce_by_replica"]) == 2                       # block 1 is held twice
     assert r["tokens_per_s"] > 0 and r["microbatches_completed"] > 0 and r["microbatches_lost"] >= 0

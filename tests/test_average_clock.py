@@ -1,0 +1,51 @@
+"""--average-clock: replicas whose steps never line up still average. Two real nodes hold block 0 and
+train with step-triggered rounds out of reach (--average-every 1000000) and idle rounds off: the only
+thing that can start a round is the wall clock's shared instants, where both look for a group at once.
+Without the option neither would ever average (rounds_ok 0)."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from blocktrain.node.node import next_clock_slot
+from blocktrain.node.options import NodeOptions
+from blocktrain.node.swarm.launcher import LocalSwarm
+from blocktrain.node.swarm.run import SWARM_DEFAULTS
+
+from test_utils.configs import TEST_CORPUS
+
+
+def test_next_clock_slot_is_the_next_multiple():
+    assert next_clock_slot(100.0, 30.0) == 120.0
+    assert next_clock_slot(119.99, 30.0) == 120.0
+    assert next_clock_slot(120.0, 30.0) == 150.0       # strictly after now: a slot is never taken twice
+    assert next_clock_slot(1_764_700_000.5, 7.5) % 7.5 == 0
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan")])
+def test_bad_average_clock_is_refused(bad, tmp_path):
+    with pytest.raises(ValueError, match="--average-clock"):
+        NodeOptions(checkpoint_dir=tmp_path, run_id="r", average_clock=bad)
+
+
+@pytest.mark.network
+def test_replicas_meet_on_the_clock_when_their_steps_never_trigger_a_round(tmp_path):
+    args = ["--average-every", "1000000", "--average-period", "1e9", "--average-clock", "4", "--device", "cpu",
+            "--train-duty", "0.3"]
+    sw = LocalSwarm(tmp_path / "sw", run_id="clock", overrides=SWARM_DEFAULTS, data=str(TEST_CORPUS),
+                    extra_args=args)
+    try:
+        sw.start_seed(block=0)
+        sw.start_join(block=0)
+        deadline = time.monotonic() + 90
+        st = []
+        while time.monotonic() < deadline:
+            st = [n.get("/v1/status") for n in sw.nodes]
+            if all(s["averaging"]["succeeded"] >= 1 for s in st):
+                break
+            time.sleep(1)
+        assert all(s["averaging"]["succeeded"] >= 1 for s in st), [s["averaging"] for s in st]
+        assert all(0 < s["self"]["step"] < 1_000_000 for s in st)          # training, no step-triggered round
+    finally:
+        sw.stop_all()
