@@ -44,9 +44,10 @@ def node_options(fn):
                      show_default=True,
                      help="Seconds between averaging rounds while not training (after --max-steps)."),
         click.option("--average-clock", type=click.FloatRange(min=0), default=0.0, show_default=True,
-                     help="While training, also try a round at every multiple of this many seconds of the wall "
-                          "clock (UTC): the same instants on every holder, so replicas whose steps are minutes "
-                          "apart (a slow pipeline) still meet; 0: off, rounds follow --average-every alone."),
+                     help="Also try a round at every multiple of this many seconds of the wall clock (UTC), "
+                          "training or not: the same instants on every holder, so replicas whose steps are "
+                          "minutes apart (a slow pipeline) still meet; 0: off, rounds follow --average-every "
+                          "(and --average-period while not training)."),
         click.option("--checkpoint-every", type=click.IntRange(min=1), default=100, show_default=True),
         click.option("--eval-every", type=click.FloatRange(min=0), default=0.0, show_default=True,
                      help="Seconds between held-out chain CE measurements through the network (0: off)."),
