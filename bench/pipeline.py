@@ -94,6 +94,8 @@ class PipelineBenchSettings:
     delay_ms: float = 25.0
     average_every: int = 10
     average_clock: float = 0.0      # --average-clock of every worker (0: off)
+    timeout_s: float = 60.0         # --pipeline-timeout of every worker (the node's default)
+    timeout_max_s: float = 600.0    # --pipeline-timeout-max of every worker (the node's default)
     compression: str = "fp32"       # --pipeline-compression of every worker
     inflight: int = 1               # --pipeline-inflight of every worker (the node's default)
     weight_stash: bool = False      # --pipeline-weight-stash of every worker (the node's default)
@@ -179,6 +181,7 @@ class _Network:
         extra = ["--device", s.device, "--seed", str(s.seed), "--average-every", str(s.average_every),
                  "--average-clock", repr(float(s.average_clock)), "--checkpoint-every", str(10**9),
                  "--pipeline-inflight", str(s.inflight), "--pipeline-compression", s.compression,
+                 "--pipeline-timeout", repr(float(s.timeout_s)), "--pipeline-timeout-max", repr(float(s.timeout_max_s)),
                  "--pipeline-weight-stash" if s.weight_stash else "--no-pipeline-weight-stash"]
         if s.flush:
             extra += ["--pipeline-flush", "--pipeline-accumulate", str(s.inflight)]

@@ -121,6 +121,11 @@ def _lr_grid(text: str) -> tuple[float, ...]:
 @click.option("--average-clock", type=click.FloatRange(min=0), default=None,
               help="Every worker's --average-clock: also a round at each multiple of this many seconds of the "
                    "wall clock (replicas whose steps are minutes apart still meet; default 0: off).")
+@click.option("--pipeline-timeout", "timeout_s", type=click.FloatRange(1, 600), default=None,
+              help="Every worker's --pipeline-timeout: a micro-batch's budget at first and at least (default 60).")
+@click.option("--pipeline-timeout-max", "timeout_max_s", type=click.FloatRange(1, 600), default=None,
+              help="Every worker's --pipeline-timeout-max: the most the adaptive budget grows to (default 600; "
+                   "equal to --pipeline-timeout: fixed).")
 @click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True,
               help="Every worker's --seed (data order) and init_seed; the references' too (a second seed of a run).")
 @click.option("--lr", "lr_items", multiple=True, metavar="ARM=RATE",
@@ -150,7 +155,7 @@ def _lr_grid(text: str) -> tuple[float, ...]:
 def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight, gen_bytes, delay_ms, eval_windows, overrides, data, plot,
                        record, workdir, preset, tiny, device, no_references, no_serving, no_wall_reference, no_whole_reference,
                        curve_every,
-                       weight_stash, flush, recompute, layer_checkpoint, average_every, average_clock, seed, lr_items, lr_sweep, lr_grid, sweep_fraction, sweep_windows,
+                       weight_stash, flush, recompute, layer_checkpoint, average_every, average_clock, timeout_s, timeout_max_s, seed, lr_items, lr_sweep, lr_grid, sweep_fraction, sweep_windows,
                        lr_schedule, train_windows, plan_only, as_json):
     """pipeline and forward-streamed vs paper: real node processes, the same wall time each.
 
@@ -197,9 +202,12 @@ def bench_pipeline_cmd(train_seconds, objectives, layout, compression, inflight,
     for name, v in (("train_s", train_seconds), ("compression", compression), ("gen_bytes", gen_bytes),
                     ("delay_ms", delay_ms), ("eval_windows", eval_windows), ("inflight", inflight),
                     ("train_windows", train_windows), ("average_every", average_every),
-                    ("average_clock", average_clock)):
+                    ("average_clock", average_clock), ("timeout_s", timeout_s), ("timeout_max_s", timeout_max_s)):
         if v is not None:
             setattr(s, name, v)
+    if s.timeout_max_s < s.timeout_s:   # checked here, not by six workers failing to start
+        raise click.BadParameter(f"must be at least --pipeline-timeout ({s.timeout_s:g}), got {s.timeout_max_s:g}",
+                                 param_hint="--pipeline-timeout-max")
     if objectives:
         s.objectives = list(dict.fromkeys(objectives))
     if layout:

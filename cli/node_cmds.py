@@ -230,14 +230,15 @@ _PIPELINE: contextvars.ContextVar[dict] = contextvars.ContextVar("bt_pipeline", 
 
 
 def pipeline_options(fn):
-    """--pipeline-inflight / -accumulate / -compression / -timeout / -weight-stash / -flush / -recompute /
-    -layer-checkpoint for seed and join."""
+    """--pipeline-inflight / -accumulate / -compression / -timeout / -timeout-max / -weight-stash / -flush /
+    -recompute / -layer-checkpoint for seed and join."""
     @functools.wraps(fn)
     def wrapper(*args, pipeline_inflight=1, pipeline_accumulate=1, pipeline_compression="fp32",
-                pipeline_timeout=60.0, pipeline_weight_stash=False, pipeline_flush=False, pipeline_recompute=False,
-                pipeline_layer_checkpoint=False, **kwargs):
+                pipeline_timeout=60.0, pipeline_timeout_max=600.0, pipeline_weight_stash=False, pipeline_flush=False,
+                pipeline_recompute=False, pipeline_layer_checkpoint=False, **kwargs):
         _PIPELINE.set({"pipeline_inflight": pipeline_inflight, "pipeline_accumulate": pipeline_accumulate,
                        "pipeline_compression": pipeline_compression, "pipeline_timeout": pipeline_timeout,
+                       "pipeline_timeout_max": pipeline_timeout_max,
                        "pipeline_weight_stash": pipeline_weight_stash, "pipeline_flush": pipeline_flush,
                        "pipeline_recompute": pipeline_recompute,
                        "pipeline_layer_checkpoint": pipeline_layer_checkpoint})
@@ -256,7 +257,12 @@ def pipeline_options(fn):
                                              "their caller sent."),
         click.option("--pipeline-timeout", type=click.FloatRange(1, 600), default=60.0, show_default=True,
                      help="pipeline and forward-streamed runs, block 0: seconds a micro-batch may take through "
-                          "the chain and back before it is counted lost."),
+                          "the chain and back before it is counted lost, at first and at least; the budget then "
+                          "follows the round trips measured (mean + 4 deviations, as TCP's retransmission "
+                          "timeout) and doubles after a micro-batch lost for want of time."),
+        click.option("--pipeline-timeout-max", type=click.FloatRange(1, 600), default=600.0, show_default=True,
+                     help="pipeline and forward-streamed runs, block 0: the most that budget may grow to "
+                          "(equal to --pipeline-timeout: a fixed budget)."),
         click.option("--pipeline-weight-stash/--no-pipeline-weight-stash", default=False, show_default=True,
                      help="pipeline runs: when this block's weights changed between a micro-batch's forward and "
                           "its backward, run the backward on the weights the forward used (a copy is kept per "

@@ -52,7 +52,8 @@ class NodeOptions:
     pipeline_inflight: int = 1                 # micro-batches a block-0 holder keeps in flight
     pipeline_accumulate: int = 1               # micro-batches per optimizer step
     pipeline_compression: str = "fp32"         # fp32 | fp16 | 8bit: activations and gradients sent
-    pipeline_timeout: float = 60.0             # seconds a micro-batch may take, block 0 and back
+    pipeline_timeout: float = 60.0             # seconds a micro-batch may take, block 0 and back (at first;
+    pipeline_timeout_max: float = 600.0        # adaptive up to this: node/pipeline/budget.py)
     pipeline_weight_stash: bool = False        # backward on the weights its forward used (PipeDream)
     pipeline_flush: bool = False               # block 0: GPipe-style windows of `inflight` micro-batches
     pipeline_recompute: bool = False           # hold inputs, not graphs; the backward recomputes the forward
@@ -95,7 +96,8 @@ class NodeOptions:
             raise ValueError(f"--upstream-refresh must be in [1, 86400] seconds, got {self.upstream_refresh}")
         from .pipeline.settings import PipelineSettings   # the pipeline flags' checks live with the engine
         PipelineSettings(inflight=self.pipeline_inflight, accumulate=self.pipeline_accumulate,
-                         codec=self.pipeline_compression, timeout_s=self.pipeline_timeout)
+                         codec=self.pipeline_compression, timeout_s=self.pipeline_timeout,
+                         timeout_max_s=self.pipeline_timeout_max)
         from .loops import DutyCycle   # the duty cycle's check lives with it
         DutyCycle(self.train_duty)
         if self.lr_decay_seconds is not None and not 1.0 <= self.lr_decay_seconds <= 10_000_000.0:

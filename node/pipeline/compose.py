@@ -19,6 +19,7 @@ def start_pipeline(node) -> PipelineEngine:
     o, cfg, t = node.opts, node.cfg, node.trainer
     settings = PipelineSettings(inflight=o.pipeline_inflight, accumulate=o.pipeline_accumulate,
                                 codec=o.pipeline_compression, timeout_s=o.pipeline_timeout,
+                                timeout_max_s=o.pipeline_timeout_max,
                                 weight_stash=o.pipeline_weight_stash, flush=o.pipeline_flush,
                                 recompute=o.pipeline_recompute, layer_checkpoint=o.pipeline_layer_checkpoint)
     limits = PipelineLimits(allowed_blocks={node.block_index}, n_blocks=cfg.n_blocks,
@@ -55,5 +56,8 @@ def pipeline_counters(engine: PipelineEngine) -> dict[str, float]:
     out = {f"pipeline_microbatches_{k}_total": st[k] for k in ("started", "completed", "received", "sent", "lost",
                                                                 "retried", "refused_busy", "failed_calls")}
     out.update({f"pipeline_{k}_total": v for k, v in tr.items()})
-    out.update(pipeline_stalled_seconds_total=st["stalled_s"], pipeline_steps_total=st["steps"])
+    out.update(pipeline_stalled_seconds_total=st["stalled_s"], pipeline_steps_total=st["steps"],
+               pipeline_microbatches_expired_in_queue_total=st["expired_in_queue"])
+    if engine.b == 0 and not engine.last:   # block 0's adaptive budget per micro-batch (pipeline/budget.py)
+        out["pipeline_microbatch_budget_seconds"] = engine.budget.current()
     return out

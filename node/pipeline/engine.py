@@ -55,7 +55,10 @@ with it, only its input, the recompute before its backward keeping no more than 
 Memory: a stage holds at most ``max_stash`` micro-batches between forward and backward and answers
 ``busy`` beyond that; a block-0 holder at most ``inflight``; weight copies at most one per held
 micro-batch (shared by those of one version; :meth:`stash_bytes` reports them). Faults: every call
-carries what is left of the micro-batch's ``timeout_s``; a holder that dies or stalls costs the
+carries what is left of the micro-batch's budget (``timeout_s`` at first, then adapted to the round
+trips block 0 measures, up to ``timeout_max_s``: :mod:`~blocktrain.node.pipeline.budget`); a stage
+whose compute thread frees up only after that deadline does not run the forward (``expired_in_queue``,
+answered ``timeout``: nobody waits for it any more); a holder that dies or stalls costs the
 micro-batches it held: its caller tries another holder (``retries``) or gives up, and the block-0
 holder counts the micro-batch lost. Nothing waits unbounded. Dropout > 0 with a recompute after a
 weight change draws new masks (as hivemind's recomputing backward does), unless ``recompute`` is on
@@ -80,6 +83,7 @@ from blocktrain.blocks.chain_train import stage_backward
 from blocktrain.blocks.layers import layer_checkpointing
 from blocktrain.blocks.rng import rng_restored, rng_state
 from blocktrain.node.loops import DutyCycle
+from blocktrain.node.pipeline.budget import MicrobatchBudget
 from blocktrain.node.pipeline.settings import PipelineSettings
 from blocktrain.node.pipeline.stats import PipelineStats
 from blocktrain.node.routing.pipeline_route import DownstreamFailed, NextStage, StateSource
@@ -92,6 +96,10 @@ from blocktrain.p2p.pipeline_wire import StageRequest, StageResponse
 log = logging.getLogger(__name__)
 STAGE_MARGIN_S = 0.5      # a stage keeps this much of its caller's deadline for its own backward and answer
 MAX_DEFERRED = 2          # window changes in a row a stage may skip its step at (graphs still open) before it steps
+
+
+class _Expired(Exception):
+    """A stage's forward was still queued when its caller's deadline passed: not run."""
 
 
 @dataclass
@@ -155,15 +163,21 @@ class PipelineEngine:
         self._deferred = 0              # window changes in a row at which a step waited for open graphs
         self._unwindowed = 0            # micro-batches without a window since the last step (the count rule)
         self._window_seq = 0            # block 0 with flush: the id of its next window
+        self.budget = MicrobatchBudget(settings.timeout_s, settings.timeout_max_s)   # block 0's, per micro-batch
 
     # -- compute (one thread, under the trainer's lock) ---------------------------------------------
-    async def _in_compute(self, fn, *args):
+    async def _in_compute(self, fn, *args, expires: float | None = None):
+        """Run ``fn(*args)`` on the compute thread. ``expires`` (monotonic): if the call is still queued
+        then, it is not run (:class:`_Expired`): its caller has given up on it."""
         return await asyncio.get_running_loop().run_in_executor(self._compute, self._timed, fn, args,
-                                                                time.monotonic())
+                                                                time.monotonic(), expires)
 
-    def _timed(self, fn, args, queued: float):
+    def _timed(self, fn, args, queued: float, expires: float | None = None):
         t0 = time.monotonic()
         self.stats.timed("compute_queue", t0 - queued)
+        if expires is not None and t0 >= expires:
+            raise _Expired(f"its deadline passed {t0 - expires:.1f}s before the compute thread was free "
+                           f"(queued {t0 - queued:.1f}s)")
         self.stats.activity.change(computing=1)
         try:
             return fn(*args)
@@ -331,7 +345,8 @@ class PipelineEngine:
         work = None
         window = None if req.window is None else (req.origin, req.window)
         try:
-            work = await self._in_compute(self._forward, req.state, None, req.targets, window)
+            work = await self._in_compute(self._forward, req.state, None, req.targets, window,
+                                          expires=t0 + req.deadline_s - STAGE_MARGIN_S)
             own = {self.b: work.loss} if work.loss is not None else {}
             if self.last:
                 self.stats.add("answered")
@@ -348,6 +363,9 @@ class PipelineEngine:
             self.stats.add("failed_downstream")
             code = "timeout" if e.reason == "timeout" else "downstream"
             raise HopRequestError(code, f"block {self.b + 1} and on: {e}") from None
+        except _Expired as e:   # the caller's deadline passed while the forward waited: no compute spent on it
+            self.stats.add("expired_in_queue")
+            raise HopRequestError("timeout", f"block {self.b}: {e}") from None
         except FloatingPointError as e:
             raise HopRequestError("internal", str(e)) from None
         finally:
@@ -407,7 +425,15 @@ class PipelineEngine:
             ctx, y = windows[:, :-1], windows[:, 1:]
             work = await self._in_compute(self._forward, None, ctx, y, key)
             if not self.last:
-                resp = await self._send(self._outgoing(work), y, self.settings.timeout_s, self.self_peer, window)
+                budget = self.budget.current()
+                t0 = time.monotonic()
+                try:
+                    resp = await self._send(self._outgoing(work), y, budget, self.self_peer, window)
+                except DownstreamFailed as e:
+                    if e.reason == "timeout":
+                        self.budget.timed_out(budget)
+                    raise
+                self.budget.completed(time.monotonic() - t0)
                 if self.mode == "backprop":
                     await self._in_compute(self._backward, work, resp.grad, resp.loss)
             self.stats.add("completed")
@@ -468,7 +494,7 @@ class PipelineEngine:
         """GPipe-style flush: ``inflight`` micro-batches sent together, marked with this window's id, all
         finished (or lost) before the next window; then block 0 steps, and every other holder steps when
         the next window reaches it (:meth:`_enter_window`), so no backward meets weights newer than its
-        forward's, whatever failed. Bounded: each micro-batch is bounded by ``timeout_s``."""
+        forward's, whatever failed. Bounded: each micro-batch is bounded by the budget (at most ``timeout_max_s``)."""
         t, futs = self.trainer, []
         window, self._window_seq = self._window_seq, self._window_seq + 1
         for _ in range(self.settings.inflight):
@@ -494,10 +520,11 @@ class PipelineEngine:
         s = self.settings
         return {"mode": self.mode, "block": self.b, "last": self.last, "held_now": self._held,
                 "settings": {"inflight": s.inflight, "accumulate": s.accumulate, "compression": s.codec,
-                             "timeout_s": s.timeout_s, "max_stash": s.max_stash, "retries": s.retries,
+                             "timeout_s": s.timeout_s, "timeout_max_s": s.timeout_max_s, "max_stash": s.max_stash, "retries": s.retries,
                              "weight_stash": s.weight_stash, "flush": s.flush, "recompute": s.recompute,
                              "layer_checkpoint": s.layer_checkpoint},
-                **self.stats.snapshot(), "traffic": self.traffic.snapshot()}
+                **self.stats.snapshot(), "traffic": self.traffic.snapshot(),
+                "budget": self.budget.snapshot() if self.b == 0 and not self.last else None}
 
     def leave(self) -> None:
         """The node is stopping: refuse new micro-batches (``busy``: their senders try another holder)."""

@@ -11,7 +11,8 @@ class PipelineSettings:
     inflight: int = 1            # micro-batches a block-0 holder keeps in flight (1: none stale; BENCHMARKS.md)
     accumulate: int = 1          # micro-batches per optimizer step
     codec: str = "fp32"          # what this worker sends: fp32 | fp16 | 8bit (answers use the caller's)
-    timeout_s: float = 60.0      # one micro-batch's whole budget, from block 0 and back
+    timeout_s: float = 60.0      # one micro-batch's budget, from block 0 and back: the start and floor of
+    timeout_max_s: float = 600.0  # an adaptive budget (node/pipeline/budget.py) that never exceeds this
     max_stash: int = 16          # micro-batches a stage holds between forward and backward (then: busy)
     retries: int = 2             # other holders of the next block tried after a failure
     weight_stash: bool = False   # a backward after a weight change uses the weights its forward used (PipeDream)
@@ -30,5 +31,8 @@ class PipelineSettings:
                 raise ValueError(f"pipeline {name} must be in [1, 4096], got {getattr(self, name)}")
         if not 1.0 <= self.timeout_s <= 600.0:
             raise ValueError(f"pipeline timeout must be in [1, 600] seconds, got {self.timeout_s}")
+        if not self.timeout_s <= self.timeout_max_s <= 600.0:
+            raise ValueError(f"pipeline timeout max must be in [timeout ({self.timeout_s:g}), 600] seconds, "
+                             f"got {self.timeout_max_s}")
         if not 0 <= self.retries <= 16:
             raise ValueError(f"pipeline retries must be in [0, 16], got {self.retries}")

@@ -10,7 +10,9 @@ joined and announced is used from then on). Failures:
 
 * ``busy`` (the holder holds as many micro-batches as it may): back off briefly and draw again;
 * the holder failed or did not answer (unreachable, timeout, bad answer): recorded, banned for a
-  while, and another holder is tried, at most ``retries`` times;
+  while, and another holder is tried, at most ``retries`` times; a holder that did not answer in
+  time gets only the shorter collateral ban (the blame may be shared), and none when it is the only
+  candidate (banning a slow chain's only holder lost every micro-batch for the ban's length);
 * a stage further down failed (``downstream``, ``timeout``): the holder itself was fine; another
   holder of b+1 is tried (it may route around the failure), within the same ``retries``;
 * the answer stream was cut before it was complete (``truncated``: a reset of the stream or of the
@@ -20,7 +22,10 @@ joined and announced is used from then on). Failures:
   a block's only holder unreachable for 10 s: 697 of 4,621 micro-batches lost in that run.
 
 Every call is bounded by what is left of the micro-batch's deadline; when nothing is left, or no
-holder remains, :class:`DownstreamFailed` ends the micro-batch (the caller counts it lost).
+holder remains, :class:`DownstreamFailed` ends the micro-batch (the caller counts it lost). Its
+reason is ``timeout`` when time ran out, here or at a stage further down (the last holder tried
+answered ``timeout`` or did not answer in time): a block-0 holder then lengthens its budget
+(``node/pipeline/budget.py``).
 
 The state is a tensor, or a :data:`StateSource`: a coroutine function asked once per try, whose
 tensor is handed to the wire and not kept here (the wire drops it once encoded). A recomputing
@@ -96,6 +101,7 @@ class NextStage:
         tried: set[str] = set()
         reset: set[str] = set()      # holders whose answer stream was cut once in this micro-batch
         failures, backoff, fresh, last = 0, 0.05, False, "no holder was asked"
+        out_of_time = False          # the last failure was a want of time (ours or a stage's further down)
         rid = uuid.uuid4().hex
         while True:
             remaining = deadline - time.monotonic()
@@ -108,7 +114,8 @@ class NextStage:
                 if not fresh:        # read the DHT once more before giving up
                     fresh = True
                     continue
-                raise DownstreamFailed("no_holder", f"no live holder of block {block} left to ask ({last})")
+                raise DownstreamFailed("timeout" if out_of_time else "no_holder",   # time, not holders, ran out
+                                       f"no live holder of block {block} left to ask ({last})")
             peer = self.ranking.pick(cands)
             if peer not in announced:
                 self.on_event("routed_unannounced")
@@ -135,6 +142,7 @@ class NextStage:
                     backoff = min(1.0, backoff * 2)
                     continue
                 self.on_event("failed_calls")
+                out_of_time = e.code == "timeout"
                 if e.code == "truncated" and peer not in reset:   # a cut stream: once more, same holder
                     reset.add(peer)
                     self.on_event("retried_same")
@@ -146,10 +154,15 @@ class NextStage:
                     tried.add(peer)
             except HopTimeoutError as e:
                 last = f"{peer[-8:]}: {e}"[:300]
+                out_of_time = True
                 self.on_event("failed_calls")
                 self.ranking.record_failure(peer, "no answer in time")
-                self.bans.ban(peer, f"pipeline block {block}: {e}")
-                self._forget(block, peer)
+                # the blame may be shared (a stage further down, a DHT read that ate the time, a machine
+                # that is merely slow): set aside for the shorter collateral ban, and only where another
+                # holder can take its place; banning a block's only holder turns slowness into losses
+                if len(cands) > 1:
+                    self.bans.strike([peer], f"pipeline block {block}: {e}", attributable=False)
+                    self._forget(block, peer)
                 tried.add(peer)
             else:
                 self.ranking.record_success(peer, time.monotonic() - t0)
@@ -157,6 +170,7 @@ class NextStage:
                 self._recent.setdefault(block, {})[peer] = time.monotonic()
                 return resp
             failures += 1
-            if failures > self.retries:
-                raise DownstreamFailed("failed", f"block {block}: {failures} holder(s) failed ({last})")
+            if failures > self.retries:   # the reason says whether more time might have helped
+                raise DownstreamFailed("timeout" if out_of_time else "failed",
+                                       f"block {block}: {failures} holder(s) failed ({last})")
             self.on_event("retried")
