@@ -284,6 +284,7 @@ class _Network:
                 "window_steps_forced": pipe.get("window_steps_forced"),
                 "failed_downstream": pipe.get("failed_downstream"), "routed_unannounced": pipe.get("routed_unannounced"),
                 "peak_weight_stash_bytes": pipe.get("peak_weight_stash_bytes"),
+                "expired_in_queue": pipe.get("expired_in_queue"), "budget": pipe.get("budget"),
                 "s_per_step": round(seconds / steps, 4) if steps else None,
                 "compute_s": _delta(pipe, pipe0, "compute_s"),
                 "times_s": {k: round(v - t0.get(k, 0.0), 3) for k, v in t1.items()},
