@@ -1,6 +1,7 @@
 """A micro-batch's time budget (node/pipeline/budget.py) and what the engine does with it, in process.
 
-* the estimate is RFC 6298's (SRTT + 4 RTTVAR, and at least 2 SRTT), clamped to [--pipeline-timeout, --pipeline-timeout-max];
+* the estimate is RFC 6298's (SRTT + 4 RTTVAR, and at least 2 SRTT), clamped to
+  [--pipeline-timeout, --pipeline-timeout-max];
   a micro-batch lost for want of time doubles it, once for micro-batches that shared one budget;
 * a block-0 holder whose chain answers slower than the budget loses the first micro-batch, backs off,
   and completes the next ones (a fixed budget, floor == ceiling, loses them all);

@@ -48,7 +48,8 @@ def test_a_chain_slower_than_the_timeout_trains_once_the_budget_backs_off(tmp_pa
             assert n.get("/v1/status")["self"]["step"] >= 8        # every block trained
         assert pipe(b1)["budget"] is None                          # only block 0 keeps a budget
         metrics = httpx.get(b0.url + "/metrics", timeout=30).text
-        gauge = next(ln for ln in metrics.splitlines() if ln.startswith("blocktrain_pipeline_microbatch_budget_seconds"))
+        gauge = next(ln for ln in metrics.splitlines()
+                     if ln.startswith("blocktrain_pipeline_microbatch_budget_seconds"))
         assert float(gauge.split()[1]) > 1.0, gauge
     finally:
         stop_swarm(sw)

@@ -520,7 +520,8 @@ class PipelineEngine:
         s = self.settings
         return {"mode": self.mode, "block": self.b, "last": self.last, "held_now": self._held,
                 "settings": {"inflight": s.inflight, "accumulate": s.accumulate, "compression": s.codec,
-                             "timeout_s": s.timeout_s, "timeout_max_s": s.timeout_max_s, "max_stash": s.max_stash, "retries": s.retries,
+                             "timeout_s": s.timeout_s, "timeout_max_s": s.timeout_max_s, "max_stash": s.max_stash,
+                             "retries": s.retries,
                              "weight_stash": s.weight_stash, "flush": s.flush, "recompute": s.recompute,
                              "layer_checkpoint": s.layer_checkpoint},
                 **self.stats.snapshot(), "traffic": self.traffic.snapshot(),

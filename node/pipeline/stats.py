@@ -43,12 +43,12 @@ class Activity:
 class PipelineStats:
     """Counters (thread-safe). As a block-0 holder: ``started`` micro-batches, ``completed`` (the
     gradient came back, or streamed: the chain answered), ``lost`` (dropped, by reason). As a stage:
-    ``received`` calls served, ``refused_busy``, ``failed_downstream``, ``expired_in_queue`` (a call whose
-    deadline passed while its forward waited for the compute thread: answered ``timeout``, not run). Both: ``sent`` onward calls
-    that were answered, ``failed_calls`` (a holder failed or timed out), ``retried`` (another holder
-    was asked after a failure; ``retried_same``: the same holder, once, after its answer stream was
-    cut), ``routed_unannounced`` (a holder picked from those that answered
-    recently, absent from the DHT read), ``busy`` answers met, ``recomputed`` backwards (the weights had
+    ``received`` calls served, ``refused_busy``, ``failed_downstream``, ``expired_in_queue`` (a call
+    whose deadline passed while its forward waited for the compute thread: answered ``timeout``, not
+    run). Both: ``sent`` onward calls that were answered, ``failed_calls`` (a holder failed or timed
+    out), ``retried`` (another holder was asked after a failure; ``retried_same``: the same holder,
+    once, after its answer stream was cut), ``routed_unannounced`` (a holder picked from those that
+    answered recently, absent from the DHT read), ``busy`` answers met, ``recomputed`` backwards (the weights had
     changed since the forward; ``recomputed_stashed``: of those, on the stashed weights the forward used),
     ``resent_recomputed`` (a recomputing stage, which gives its output to the wire, ran its forward
     again for a retry),
