@@ -6,8 +6,17 @@ round trip gains 0.6 s, so block 0's round trip through blocks 1 and 2 takes mor
 on two cores lost all of its: BENCHMARKS.md). The block-0 holder's budget adapts
 (node/pipeline/budget.py): the first micro-batches are lost to the timeout, the budget backs off,
 the rest complete and every block trains. The engine's side in process: tests/test_pipeline_budget.py.
+
+And the other side of a budget: a holder of a middle block that **stalls** (SIGSTOP: its daemon
+still takes the call, nobody answers) while a replica of its block is up costs the micro-batches it
+is handed, each at most the budget, and is set aside for a while (the shorter collateral ban):
+training goes on through the replica.
 """
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import httpx
 import pytest
@@ -15,7 +24,7 @@ import pytest
 from blocktrain.node.swarm.launcher import LocalSwarm
 
 from test_utils.configs import TEST_CORPUS
-from test_utils.reliability import stop_swarm, wait_for
+from test_utils.reliability import report, stop_swarm, wait_for
 
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -52,4 +61,38 @@ def test_a_chain_slower_than_the_timeout_trains_once_the_budget_backs_off(tmp_pa
                      if ln.startswith("blocktrain_pipeline_microbatch_budget_seconds"))
         assert float(gauge.split()[1]) > 1.0, gauge
     finally:
+        stop_swarm(sw)
+
+
+def test_a_stalled_middle_holder_costs_only_the_microbatches_it_was_handed(tmp_path):
+    extra = ["--device", "cpu", "--average-every", "1000000", "--pipeline-timeout", "3"]
+    sw = LocalSwarm(tmp_path, run_id="stallchain", data=str(TEST_CORPUS), overrides=["objective=pipeline", *TINY],
+                    extra_args=extra)
+    stalled = None
+    try:
+        sw.start_seed(block=2)
+        b1a = sw.start_join(block=1, name="b1a")
+        b1b = sw.start_join(block=1, name="b1b")
+        b0 = sw.start_join(block=0, name="b0")
+        wait_for(lambda: pipe(b1a)["answered"] >= 3 and pipe(b1b)["answered"] >= 3, 150,
+                 "both holders of block 1 to carry micro-batches")
+        before, served = pipe(b0), pipe(b1b)["answered"]
+        os.kill(b1a.proc.pid, signal.SIGSTOP)
+        stalled = b1a
+        t0 = time.monotonic()
+        wait_for(lambda: pipe(b0)["completed"] >= before["completed"] + 60, 120,
+                 "60 more micro-batches through the replica")
+        after = pipe(b0)
+        lost = after["lost"] - before["lost"]
+        # each encounter with the stalled holder costs one micro-batch (its call had the whole budget);
+        # then it is banned for 15 s, 30 s, ... (collateral strikes), so a few at most
+        assert 1 <= lost <= 4, (lost, after["lost_by_reason"], time.monotonic() - t0)
+        assert after["lost_by_reason"].get("timeout", 0) - before["lost_by_reason"].get("timeout", 0) == lost
+        assert pipe(b1b)["answered"] - served >= 60
+        assert after["budget"]["budget_s"] <= 600.0
+        report("pipeline_stall", lost=lost, completed=after["completed"] - before["completed"],
+               seconds=round(time.monotonic() - t0, 1), budget_s=after["budget"]["budget_s"])
+    finally:
+        if stalled is not None:
+            os.kill(stalled.proc.pid, signal.SIGCONT)   # a stopped node would sit out its SIGTERM
         stop_swarm(sw)
