@@ -120,6 +120,7 @@ def test_dashboard_and_playground_in_a_real_browser(tmp_path):
                                        timeout=60_000)
                 assert page.locator("#loss-chart svg path.series").count() >= 1
                 assert page.locator("#steps-chart svg path.series").count() == 2
+                assert page.locator("#pipe-card").is_hidden()   # a paper run: no training along the chain
 
                 # ---- playground ---------------------------------------------------------------------
                 page.get_by_label("Prompt").fill("The city of ")
@@ -198,5 +199,50 @@ def test_dashboard_and_playground_in_a_real_browser(tmp_path):
                 browser.close()
         print(f"screenshots: {tmp_path / 'dashboard.png'} {tmp_path / 'dashboard-phone.png'} "
               f"({time.monotonic() - t0:.0f}s)")
+    finally:
+        sw.stop_all()
+
+
+def test_a_pipeline_runs_chain_card_in_a_real_browser(tmp_path):
+    """A ``pipeline`` run (2 blocks): block 0's page counts its micro-batches and shows its time
+    budget per micro-batch; the last block's page shows the calls it served."""
+    _need_browser()
+    from playwright.sync_api import sync_playwright
+
+    sw = LocalSwarm(tmp_path / "swarm", run_id="webpipe", data=str(TEST_CORPUS),
+                    overrides=["objective=pipeline", *SWARM_DEFAULTS, "n_blocks=2"],
+                    extra_args=["--device", "cpu", "--pipeline-timeout", "30", "--pipeline-timeout-max", "90"])
+    try:
+        last = sw.start_seed(block=1, args=NODE_ARGS)
+        first = sw.start_join(block=0, args=NODE_ARGS)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_context(viewport={"width": 1200, "height": 900}).new_page()
+                watch = PageWatch()
+                watch.attach(page)
+                page.goto(first.url + "/")
+                page.wait_for_function("() => { const t = document.querySelector('#pipe-completed').textContent;"
+                                       " return /^[0-9][0-9,]*$/.test(t) && +t.replace(/,/g, '') >= 5; }",
+                                       timeout=90_000)
+                assert page.locator("#pipe-card").is_visible()
+                assert "block 0: reads data, sends micro-batches" in page.locator("#pipe-role").text_content()
+                b = first.get("/v1/status")["self"]["pipeline"]["budget"]
+                assert b["floor_s"] == 30.0 and b["ceiling_s"] == 90.0
+                page.wait_for_function("() => document.querySelector('#pipe-budget').textContent"
+                                       ".includes('per micro-batch (from 30, at most 90; round trip ')", timeout=30_000)
+                assert page.locator("#pipe-lost").text_content()[:1].isdigit()
+                page.locator("#pipe-card").screenshot(path=str(tmp_path / "pipeline-card.png"))
+                page.goto(last.url + "/")
+                page.wait_for_function("() => document.querySelector('#pipe-served').textContent"
+                                       ".includes(' answered')", timeout=30_000)
+                assert "last block" in page.locator("#pipe-role").text_content()
+                assert page.locator("#pipe-budget").text_content() == "set by block 0's holder"
+                assert page.locator("#pipe-completed").text_content() == "\u2013"
+                page.locator("#pipe-card").screenshot(path=str(tmp_path / "pipeline-card-last.png"))
+                page.wait_for_timeout(1500)
+                watch.check()
+            finally:
+                browser.close()
     finally:
         sw.stop_all()

@@ -211,6 +211,45 @@
       " is online, so averaging rounds find no partner.";
   }
 
+  function fmtBytes(n) {
+    if (!Number.isFinite(n)) return "\u2013";
+    const units = ["B", "kB", "MB", "GB", "TB"];
+    let i = 0;
+    while (n >= 1000 && i < units.length - 1) { n /= 1000; i += 1; }
+    return (i ? n.toFixed(1) : String(n)) + " " + units[i];
+  }
+
+  // chain-trained runs (pipeline, forward-streamed): GET v1/status self.pipeline; null otherwise
+  function renderPipeline(p, run) {
+    const card = $("pipe-card");
+    card.hidden = !p;
+    if (!p) return;
+    const first = p.block === 0 && !p.last;
+    setText("pipe-role", (p.mode === "streamed" ? "forward only (each block trains its own head)" : "backprop") +
+            " \u00b7 " + (first ? "block 0: reads data, sends micro-batches" :
+                           p.last ? "last block: computes the loss" : "middle block: serves and forwards"));
+    const reasons = Object.entries(p.lost_by_reason || {}).map(([k, v]) => k + " " + v).join(", ");
+    setText("pipe-completed", first ? fmtNum(p.completed, 0) : "\u2013");
+    setText("pipe-lost", first ? fmtNum(p.lost, 0) + (reasons ? " (" + reasons + ")" : "")
+                               : "\u2013 (block 0's holder counts micro-batches)");
+    setText("pipe-served", first ? "\u2013 (block 0 sends, it is not called)" :
+            fmtNum(p.received, 0) + " received, " + fmtNum(p.answered, 0) + " answered" +
+            (p.expired_in_queue ? ", " + fmtNum(p.expired_in_queue, 0) + " expired while queued" : ""));
+    setText("pipe-steps", fmtNum(p.steps, 0));
+    setText("pipe-stalled", fmtDuration(p.stalled_s));
+    const tr = p.traffic || {};
+    setText("pipe-sent", fmtBytes(tr.wire_bytes_sent));
+    const b = p.budget;
+    setText("pipe-budget", b ? fmtNum(b.budget_s, 1) + " s per micro-batch (from " + fmtNum(b.floor_s, 0) +
+            ", at most " + fmtNum(b.ceiling_s, 0) + "; round trip " + (b.srtt_s === null ? "not measured yet" :
+            Number(b.srtt_s).toFixed(2) + " s") + ")" : "set by block 0's holder");
+    const note = $("pipe-note");
+    const timedOut = first ? (p.lost_by_reason || {}).timeout || 0 : 0;
+    note.hidden = !timedOut;
+    if (timedOut) note.textContent = timedOut + " micro-batch(es) ran out of time; the budget doubles after each " +
+      "and then follows the round trips measured.";
+  }
+
   function renderBlocks(st) {
     const list = $("blocks");
     const frag = document.createDocumentFragment();
@@ -488,6 +527,7 @@
     renderRun(st.run);
     renderSelf(st.self);
     renderAveraging(st.averaging, st);
+    renderPipeline(st.self && st.self.pipeline, st.run);
     renderBlocks(st);
     renderErrors(st.errors);
     renderCharts();
