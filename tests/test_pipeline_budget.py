@@ -139,7 +139,7 @@ def test_a_stage_does_not_run_a_forward_whose_caller_has_given_up():
         with pytest.raises(HopRequestError) as ei:
             asyncio.run(e.handle(req))
         assert ei.value.code == "timeout" and "deadline passed" in str(ei.value)
-        assert time.monotonic() - t0 < 2.5                   # answered when the thread freed up, not later
+        assert time.monotonic() - t0 < 5.0                   # answered when the thread freed up (1.5 s)
         busy.result()
         st = e.stats.snapshot()
         assert st["expired_in_queue"] == 1 and "forward" not in st["times_s"], st
