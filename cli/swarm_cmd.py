@@ -47,7 +47,9 @@ def swarm(nodes, budget, data, overrides, http_port, keep_running, workdir, prom
     """Start a local network of N node processes, train, average, generate, measure, shut down.
 
     The run trains `pipeline` (backprop along the chain of holders) unless --set objective=... names
-    another (`paper`: the paper's block-local objective).
+    another (`paper`: the paper's block-local objective). Replicas of a block average every 10 steps
+    and at each 5 s of the wall clock (the nodes' --average-clock 5), so they meet however their
+    steps drift apart.
 
     \b
     Example:

@@ -1,7 +1,9 @@
 """``bt-node swarm``: a whole local network in one command.
 
 Starts N real node processes on 127.0.0.1 (block 0 seeds the run, the others join; by default
-every block has a holder and block 1 has two, so same-block averaging happens), trains for the
+every block has a holder and block 1 has two, so same-block averaging happens: every 10 steps and,
+so that replicas whose steps drift apart under load still meet, at each 5 s of the wall clock:
+``--average-clock 5``; CI once saw 0 rounds in a 10-s swarm without it), trains for the
 budget while showing progress, then measures chain CE on held-out text and generates text
 through the chain of holders, and shuts everything down (or keeps serving). Whatever ends it early
 (an error, a signal that raises in the caller's thread) stops every node it started.
@@ -36,7 +38,7 @@ def plan_blocks(n_nodes: int, n_blocks: int) -> list[int]:
 def run_swarm(*, nodes: int | None, budget_s: float, data: str, overrides: list[str], http_port: int | None,
               keep_running: bool, workdir: str | None, prompt: bytes, gen_bytes: int,
               on_progress: Callable[[list[dict], float], None] | None = None,
-              average_every: int = 10) -> dict:
+              average_every: int = 10, average_clock: float = 5.0) -> dict:
     sets = [*SWARM_DEFAULTS, f"objective={NEW_RUN_OBJECTIVE}", *overrides]   # a later --set wins
     cfg = ModelConfig.from_dict(typed_settings(sets), source="swarm config")
     n = nodes or cfg.n_blocks + 1
@@ -45,7 +47,8 @@ def run_swarm(*, nodes: int | None, budget_s: float, data: str, overrides: list[
     split, data_used = resolve_default(data, cfg.seq_len, base)
     t_start = time.time()
     swarm = LocalSwarm(base, run_id="swarm", overrides=sets, data=data_used,
-                       extra_args=["--average-every", str(average_every), "--device", "cpu"])
+                       extra_args=["--average-every", str(average_every), "--average-clock", repr(float(average_clock)),
+                                   "--device", "cpu"])
     client = None
     handed_over = False   # True once the caller owns the running swarm (keep_running)
     try:
