@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from blocktrain.node.routing.pipeline_route import DownstreamFailed, NextStage
-from blocktrain.p2p.errors import RemoteHopError, StreamTruncatedError
+from blocktrain.p2p.errors import HopTimeoutError, RemoteHopError, StreamTruncatedError
 from blocktrain.p2p.pipeline_wire import StageResponse
 
 
@@ -129,3 +129,50 @@ def test_a_source_is_asked_once_per_try_and_nothing_here_holds_what_it_gave():
     assert callee.alive == [False, False]                           # the router kept neither tensor
     x = torch.zeros(1, 2, 4)                                        # a tensor given by the caller: the caller's
     assert asyncio.run(ns.send(1, x, y, 5.0)).route == ["QmB"] and callee.alive[-1] is True
+
+
+class _Late(_Callee):
+    """Never answers in time (a holder busy past the deadline), or answers ``timeout`` (a stage further
+    down ran out of time), for the peers in ``late`` / ``short``; answers at once otherwise."""
+
+    def __init__(self, late=(), short=()):
+        super().__init__()
+        self.late, self.short = set(late), set(short)
+
+    async def call(self, peer, req, timeout):
+        self.calls.append(peer)
+        if peer in self.late:
+            raise HopTimeoutError(f"peer {peer} did not answer within {timeout:.1f}s")
+        if peer in self.short:
+            raise RemoteHopError(peer, "timeout", "block 2 and on: no time left")
+        return StageResponse(req.request_id, None, 1.0, {}, [peer])
+
+
+def test_running_out_of_time_is_a_timeout_and_a_slow_only_holder_is_not_banned():
+    x, y = torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long)
+
+    def stage(peers, callee):
+        async def holders(block, fresh):
+            return list(peers)
+        return NextStage(callee, holders, mode="backprop", codec="fp32", self_peer="QmA", retries=2)
+
+    # the only holder does not answer in time: lost as a timeout (what makes block 0 back off), and it
+    # is not banned (a ban would turn a slow chain into every micro-batch lost as no_holder)
+    ns = stage(["QmB"], _Late(late=["QmB"]))
+    with pytest.raises(DownstreamFailed) as e:
+        asyncio.run(ns.send(1, x, y, 5.0))
+    assert e.value.reason == "timeout" and not ns.bans.is_banned("QmB")
+    # a stage further down ran out of time behind the only holder: a timeout too, not "no holder"
+    ns = stage(["QmB"], _Late(short=["QmB"]))
+    with pytest.raises(DownstreamFailed) as e:
+        asyncio.run(ns.send(1, x, y, 5.0))
+    assert e.value.reason == "timeout" and not ns.bans.is_banned("QmB")
+    # with a replica, the holder that did not answer is set aside and the replica carries the next one
+    callee = _Late(late=["QmB"])
+    ns = stage(["QmB", "QmC"], callee)
+    for _ in range(6):
+        try:
+            asyncio.run(ns.send(1, x, y, 5.0))
+        except DownstreamFailed as e:
+            assert e.reason == "timeout"
+    assert callee.calls.count("QmB") == 1 and ns.bans.is_banned("QmB") and not ns.bans.is_banned("QmC")
