@@ -173,9 +173,13 @@ def test_bad_activation_messages_are_refused_with_a_typed_error(probed):
     p2p = None
     try:
         p2p = loop.run(P2P.create(initial_peers=target.info["maddrs"]), timeout=60)
+        resent = 0
         for code, tensors in bad.items():
             ans, got = loop.run(raw_train_call(p2p, target.info["peer_id"], run, 1, meta, tensors), timeout=60)
-            assert ans["ok"] is False and ans["code"] == code and not got, (code, ans)
+            if ans is None:   # the answer stream came back empty (CI 40 saw it once: a reset stream); one resend
+                resent += 1
+                ans, got = loop.run(raw_train_call(p2p, target.info["peer_id"], run, 1, meta, tensors), timeout=60)
+            assert ans is not None and ans["ok"] is False and ans["code"] == code and not got, (code, ans)
         # the node lives on, counted the refusals, and still trains a good message through blocks 1..3
         good = StageRequest(1, torch.randn(N, T, D), torch.randint(0, 256, (N, T)), "backprop", "fp16",
                             deadline_s=60.0, request_id="good")
@@ -189,7 +193,8 @@ def test_bad_activation_messages_are_refused_with_a_typed_error(probed):
         loop.stop()
     st = target.get("/v1/status")
     pipe = st["self"]["pipeline"]
-    assert pipe["received"] == 3 and pipe["traffic"]["calls_in_refused"] == len(bad)   # refused before the stage
+    refused = pipe["traffic"]["calls_in_refused"]   # refused before the stage (a resent message may count twice)
+    assert pipe["received"] == 3 and len(bad) <= refused <= len(bad) + resent, (refused, resent)
     assert st["self"]["state"] == "online" and target.alive
     metrics = httpx.get(target.url + "/metrics", timeout=30).text
-    assert f"blocktrain_pipeline_calls_in_refused_total {float(len(bad))!r}" in metrics, metrics[:2000]
+    assert f"blocktrain_pipeline_calls_in_refused_total {float(refused)!r}" in metrics, metrics[:2000]
