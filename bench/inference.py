@@ -152,7 +152,7 @@ def run_bench_inference(s: InferenceBenchSettings, *, workdir: str | None = None
         sets = list(s.overrides)
         swarm = LocalSwarm(base / "chain", run_id="bench-inference", overrides=sets, data=data_used,
                            extra_args=["--device", "cpu", "--max-steps", "0", "--average-every", str(10**9),
-                                       "--average-period", "1e9", "--checkpoint-every", str(10**9),
+                                       "--average-period", "1e9", "--average-clock", "0", "--checkpoint-every", str(10**9),
                                        "--inject-delay-ms", repr(float(s.delay_ms))])
         for b, m in enumerate(run.blocks):
             d = base / "chain" / f"node{b}" / "ckpt"

@@ -93,7 +93,7 @@ class PipelineBenchSettings:
     gen_bytes: int = 256
     delay_ms: float = 25.0
     average_every: int = 10
-    average_clock: float = 0.0      # --average-clock of every worker (0: off)
+    average_clock: float = 60.0     # --average-clock of every worker (the node's default; 0: off)
     timeout_s: float = 60.0         # --pipeline-timeout of every worker (the node's default)
     timeout_max_s: float = 600.0    # --pipeline-timeout-max of every worker (the node's default)
     compression: str = "fp32"       # --pipeline-compression of every worker
@@ -356,7 +356,7 @@ def _serve(cfg: ModelConfig, sets: list[str], chain_ckpts: list[str], s: Pipelin
     mode = "one_sweep"
     swarm = LocalSwarm(base, run_id=f"serve-{_slug(obj.name)}", overrides=sets, data=data_used,
                        extra_args=["--device", s.device, "--max-steps", "0", "--average-every", str(10**9),
-                                   "--average-period", "1e9", "--inject-delay-ms", repr(float(s.delay_ms))])
+                                   "--average-period", "1e9", "--average-clock", "0", "--inject-delay-ms", repr(float(s.delay_ms))])
     for b, src in enumerate(chain_ckpts):
         d = base / f"node{b}" / "ckpt"
         d.mkdir(parents=True, exist_ok=True)

@@ -137,6 +137,7 @@ class _Run:
         every = s.average_every if averaging else 10**9
         extra = ["--device", "cpu", "--max-steps", str(s.max_steps), "--average-every", str(every),
                  "--average-period", "1e9", "--checkpoint-every", str(10**9),
+                 *([] if averaging else ["--average-clock", "0"]),   # an arm without averaging has none at all
                  "--averaging-compression", compression]
         self.swarm = LocalSwarm(self.base, run_id=f"bench-{name}", overrides=sets, data=data_used,
                                 extra_args=extra)

@@ -43,11 +43,11 @@ def node_options(fn):
         click.option("--average-period", type=click.FloatRange(min=0, min_open=True), default=10.0,
                      show_default=True,
                      help="Seconds between averaging rounds while not training (after --max-steps)."),
-        click.option("--average-clock", type=click.FloatRange(min=0), default=0.0, show_default=True,
+        click.option("--average-clock", type=click.FloatRange(min=0), default=60.0, show_default=True,
                      help="Also try a round at every multiple of this many seconds of the wall clock (UTC), "
                           "training or not: the same instants on every holder, so replicas whose steps are "
                           "minutes apart (a slow pipeline) still meet; 0: off, rounds follow --average-every "
-                          "(and --average-period while not training)."),
+                          "only (and --average-period while not training)."),
         click.option("--checkpoint-every", type=click.IntRange(min=1), default=100, show_default=True),
         click.option("--eval-every", type=click.FloatRange(min=0), default=0.0, show_default=True,
                      help="Seconds between held-out chain CE measurements through the network (0: off)."),

@@ -1,7 +1,7 @@
 """--average-clock: replicas whose steps never line up still average. Two real nodes hold block 0 and
 train with step-triggered rounds out of reach (--average-every 1000000) and idle rounds off: the only
 thing that can start a round is the wall clock's shared instants, where both look for a group at once.
-Without the option neither would ever average (rounds_ok 0)."""
+With --average-clock 0 neither would ever average (rounds_ok 0); a node's default is 60 s."""
 from __future__ import annotations
 
 import time

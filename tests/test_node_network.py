@@ -37,7 +37,7 @@ def net(tmp_path_factory):
         sw.start_seed(block=0, args=["--max-steps", str(MAX_STEPS), "--train-duty", "0.5"])
         # block 1's two replicas average only when the test asks (POST /v1/average), so the test
         # can measure them right before and right after a round
-        manual = ["--max-steps", str(MAX_STEPS), "--average-every", "1000000", "--average-period", "1e9"]
+        manual = ["--max-steps", str(MAX_STEPS), "--average-every", "1000000", "--average-period", "1e9", "--average-clock", "0"]
         sw.start_join(block=1, args=manual, wait=False)
         for b in (2, 3):
             sw.start_join(block=b, args=["--max-steps", str(MAX_STEPS)], wait=False)

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(420)]
 
 TINY = ["n_blocks=3", "d_model=32", "n_heads=2", "layers_per_block=1", "seq_len=32", "target_dim=16",
         "batch_size=4", "warmup_steps=0", "lr=0.003"]
-EXTRA = ["--device", "cpu", "--average-every", "1000000", "--pipeline-inflight", "3", "--pipeline-flush",
+EXTRA = ["--device", "cpu", "--average-every", "1000000", "--average-clock", "0", "--pipeline-inflight", "3", "--pipeline-flush",
          "--pipeline-accumulate", "3"]
 
 

@@ -79,7 +79,7 @@ def probed(request, tmp_path_factory):
     torch.save(windows, base / "windows.pt")
     sets = [x for k, v in {**SETS, "objective": objective}.items() for x in ("--set", f"{k}={v}")]
     common = ["--data", str(TEST_CORPUS), "--device", "cpu", "--pipeline-accumulate", "4096",
-              "--average-every", "1000000", "--average-period", "1e9", *extra]
+              "--average-every", "1000000", "--average-period", "1e9", "--average-clock", "0", *extra]
     nodes: list[NodeProc] = []
     sw = _Swarm(base, nodes)
     try:

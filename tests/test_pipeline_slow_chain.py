@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(300)]
 
 TINY = ["n_blocks=3", "d_model=32", "n_heads=2", "layers_per_block=1", "seq_len=32", "target_dim=16",
         "batch_size=4", "warmup_steps=0", "lr=0.003"]
-EXTRA = ["--device", "cpu", "--average-every", "1000000", "--inject-delay-ms", "300",
+EXTRA = ["--device", "cpu", "--average-every", "1000000", "--average-clock", "0", "--inject-delay-ms", "300",
          "--pipeline-timeout", "1", "--pipeline-timeout-max", "60"]
 
 
@@ -65,7 +65,7 @@ def test_a_chain_slower_than_the_timeout_trains_once_the_budget_backs_off(tmp_pa
 
 
 def test_a_stalled_middle_holder_costs_only_the_microbatches_it_was_handed(tmp_path):
-    extra = ["--device", "cpu", "--average-every", "1000000", "--pipeline-timeout", "3"]
+    extra = ["--device", "cpu", "--average-every", "1000000", "--average-clock", "0", "--pipeline-timeout", "3"]
     sw = LocalSwarm(tmp_path, run_id="stallchain", data=str(TEST_CORPUS), overrides=["objective=pipeline", *TINY],
                     extra_args=extra)
     stalled = None

@@ -40,7 +40,7 @@ def net(tmp_path_factory):
     fifo = base / "private-data.fifo"      # opening this for reading would block the node for good
     os.mkfifo(fifo)
     sw = LocalSwarm(base, run_id=RUN, overrides=TINY, data=DATA,
-                    extra_args=["--average-every", "1000000", "--average-period", "1000000", "--device", "cpu"])
+                    extra_args=["--average-every", "1000000", "--average-period", "1000000", "--average-clock", "0", "--device", "cpu"])
     out = None
     try:
         seed = sw.start_seed(block=0, args=["--max-steps", "5"])

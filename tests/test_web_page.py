@@ -25,7 +25,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-component-update", "--no-first-run", "--disable-sync"]
 # train briefly (the loss chart gets data), then just serve: keeps the test light on a small machine;
 # no averaging rounds (each block has a single holder anyway)
-NODE_ARGS = ["--max-steps", "150", "--average-every", "1000000", "--average-period", "1e9"]
+NODE_ARGS = ["--max-steps", "150", "--average-every", "1000000", "--average-period", "1e9", "--average-clock", "0"]
 
 
 def _need_browser():

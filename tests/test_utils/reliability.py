@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 TINY = ["d_model=32", "n_heads=2", "layers_per_block=1", "n_blocks=2", "seq_len=32", "target_dim=16",
         "batch_size=4", "warmup_steps=0", "lr=0.002"]
 # averaging only when a test asks (POST /v1/average, a job), so tests control every round
-MANUAL_AVG = ["--average-every", "1000000", "--average-period", "1000000"]
+MANUAL_AVG = ["--average-every", "1000000", "--average-period", "1000000", "--average-clock", "0"]
 # nodes of tests that wait for events (moves, kills, relays, signals), not for training progress, train a
 # tenth of the wall time: on a 2-core machine nodes training flat out starve everything the test waits for
 # (0.25 before: the rebalancing test's 5 nodes still took 120 CPU-s in 120 s)
