@@ -44,8 +44,9 @@ def node_options(fn):
                      show_default=True,
                      help="Seconds between averaging rounds while not training (after --max-steps)."),
         click.option("--average-clock", type=click.FloatRange(min=0), default=60.0, show_default=True,
-                     help="Also try a round at every multiple of this many seconds of the wall clock (UTC), "
-                          "training or not: the same instants on every holder, so replicas whose steps are "
+                     help="Also try a round once in every period of this many seconds of the wall clock "
+                          "(UTC), training or not: the same instant on every holder of a block (the blocks' "
+                          "instants spread over the period), so replicas whose steps are "
                           "minutes apart (a slow pipeline) still meet; 0: off, rounds follow --average-every "
                           "only (and --average-period while not training)."),
         click.option("--checkpoint-every", type=click.IntRange(min=1), default=100, show_default=True),

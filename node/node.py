@@ -76,9 +76,17 @@ def _asked(what: str, stopped_when_asked: bool) -> None:
         raise RuntimeError(f"{what} did not stop when asked and was killed")
 
 
-def next_clock_slot(now: float, period: float) -> float:
-    """The first multiple of ``period`` seconds of the wall clock after ``now`` (an --average-clock instant)."""
-    return (math.floor(now / period) + 1) * period
+def next_clock_slot(now: float, period: float, offset: float = 0.0) -> float:
+    """The first instant after ``now`` that is ``offset`` past a multiple of ``period`` seconds of the wall
+    clock (an --average-clock instant)."""
+    return (math.floor((now - offset) / period) + 1) * period + offset
+
+
+def clock_offset(period: float, block: int, n_blocks: int) -> float:
+    """Where in each --average-clock period the holders of ``block`` look for a group: the same instant for
+    every replica of a block, the blocks spread evenly over the period (a run's holders do not all start
+    matchmaking on the DHT in the same second)."""
+    return period * block / n_blocks
 
 
 class Node:
@@ -397,18 +405,25 @@ class Node:
             self.save_checkpoint()
 
     def _average(self, stop: threading.Event) -> None:
-        """A round every ``average_every`` local steps; with ``average_clock``, also at each multiple of
-        that many seconds of the wall clock, the same instants on every holder (replicas that step
-        at different rates still look for a group together); while not training (max steps
-        reached, serve-only), a round every ``average_period`` seconds so idle replicas keep converging."""
+        """A round every ``average_every`` local steps; with ``average_clock``, also once in each period
+        of that many seconds of the wall clock, at the same instant on every holder of the block
+        (replicas that step at different rates still look for a group together); while not training
+        (max steps reached, serve-only), a round every ``average_period`` seconds so idle replicas
+        keep converging."""
         last = time.monotonic()
         clock = self.opts.average_clock
-        slot = next_clock_slot(time.time(), clock) if clock > 0 else math.inf
+
+        def next_slot() -> float:   # the block is re-read: a rebalancing move changes it
+            if clock <= 0:
+                return math.inf
+            return next_clock_slot(time.time(), clock, clock_offset(clock, self.block_index, self.cfg.n_blocks))
+
+        slot = next_slot()
         while not stop.is_set():
             woke = self._avg_wakeup.wait(timeout=0.5)
             on_clock = time.time() >= slot
             if on_clock:
-                slot = next_clock_slot(time.time(), clock)
+                slot = next_slot()
             if not (woke or on_clock or (self._idle() and time.monotonic() - last >= self.opts.average_period)):
                 continue
             last = time.monotonic()

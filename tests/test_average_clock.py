@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from blocktrain.node.node import next_clock_slot
+from blocktrain.node.node import clock_offset, next_clock_slot
 from blocktrain.node.options import NodeOptions
 from blocktrain.node.swarm.launcher import LocalSwarm
 from blocktrain.node.swarm.run import SWARM_DEFAULTS
@@ -21,6 +21,15 @@ def test_next_clock_slot_is_the_next_multiple():
     assert next_clock_slot(119.99, 30.0) == 120.0
     assert next_clock_slot(120.0, 30.0) == 150.0       # strictly after now: a slot is never taken twice
     assert next_clock_slot(1_764_700_000.5, 7.5) % 7.5 == 0
+    assert next_clock_slot(100.0, 60.0, offset=15.0) == 135.0
+    assert next_clock_slot(135.0, 60.0, offset=15.0) == 195.0
+    assert next_clock_slot(134.9, 60.0, offset=15.0) == 135.0
+
+
+def test_each_block_has_its_own_instant_in_the_period():
+    offsets = [clock_offset(60.0, b, 4) for b in range(4)]
+    assert offsets == [0.0, 15.0, 30.0, 45.0]             # replicas of a block share one; blocks spread out
+    assert all(0 <= o < 60.0 for o in offsets)
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan")])
