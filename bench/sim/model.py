@@ -26,7 +26,9 @@ ASSUMED = {
                 "machine), and a 58.7 MB block's late-join download over 20 Mbit/s 49.8 s (BENCHMARKS.md)",
     "graceful": "half of the leaves withdraw their announcement at once; the others' records live out their TTL",
     "dht": "announcements are visible to everyone as soon as they are stored (no propagation delay)",
-    "averaging": "a round per block every 60 s: every ready holder of the block takes part, split into "
+    "averaging": "a round per block every 60 s (the node's default --average-clock 60 gives each block one such "
+                 "instant a minute; its step-triggered rounds come on top): every ready holder of the block takes "
+                 "part, split into "
                  "ceil(n/4) groups of near-equal size; a group fails if a member leaves (or finishes a move) "
                  "within the 8 s round window (3 s matchmaking + 5 s all-reduce); a lone holder cannot average",
     "generation": "instantaneous; per block, announced online holders tried in random order, 5 tries "
