@@ -168,11 +168,24 @@ def test_running_out_of_time_is_a_timeout_and_a_slow_only_holder_is_not_banned()
         asyncio.run(ns.send(1, x, y, 5.0))
     assert e.value.reason == "timeout" and not ns.bans.is_banned("QmB")
     # with a replica, the holder that did not answer is set aside and the replica carries the next one
+    # (the wiring draws a holder with probability 1 / cost: QmC answers in microseconds here, which would
+    # starve the stranger QmB of draws (CI 44: six sends, all to QmC), so QmC starts as a slow holder;
+    # send until QmB has been drawn once, then ten more)
     callee = _Late(late=["QmB"])
     ns = stage(["QmB", "QmC"], callee)
-    for _ in range(6):
+    ns.ranking.record_success("QmC", 100.0)
+
+    def send():
         try:
             asyncio.run(ns.send(1, x, y, 5.0))
         except DownstreamFailed as e:
             assert e.reason == "timeout"
+    for _ in range(200):
+        send()
+        if "QmB" in callee.calls:
+            break
+    assert callee.calls.count("QmB") == 1, callee.calls
+    for _ in range(10):
+        send()
     assert callee.calls.count("QmB") == 1 and ns.bans.is_banned("QmB") and not ns.bans.is_banned("QmC")
+    assert callee.calls[-10:] == ["QmC"] * 10
