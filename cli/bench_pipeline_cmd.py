@@ -119,8 +119,9 @@ def _lr_grid(text: str) -> tuple[float, ...]:
               help="Every worker's --average-every: local optimizer steps between averaging rounds of a block's "
                    "replicas (default: the preset's, 10 for cpu).")
 @click.option("--average-clock", type=click.FloatRange(min=0), default=None,
-              help="Every worker's --average-clock: also a round at each multiple of this many seconds of the "
-                   "wall clock (replicas whose steps are minutes apart still meet; default 60, the node's; 0: off).")
+              help="Every worker's --average-clock: also a round once in every period of this many seconds of "
+                   "the wall clock, at each block's own instant (replicas whose steps are minutes apart still "
+                   "meet; default 60, the node's; 0: off).")
 @click.option("--pipeline-timeout", "timeout_s", type=click.FloatRange(1, 600), default=None,
               help="Every worker's --pipeline-timeout: a micro-batch's budget at first and at least (default 60).")
 @click.option("--pipeline-timeout-max", "timeout_max_s", type=click.FloatRange(1, 600), default=None,

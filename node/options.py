@@ -33,7 +33,7 @@ class NodeOptions:
     http_port: int | None = None
     average_every: int = 20                    # local steps between averaging rounds
     average_period: float = 10.0               # seconds between rounds while not training
-    average_clock: float = 60.0                # also a round at each multiple of this (UTC s); 0: off
+    average_clock: float = 60.0                # also a round once per this many UTC s (block's instant); 0: off
     checkpoint_every: int = 100
     eval_every: float = 0.0                    # seconds between held-out chain CE measurements (0: off)
     max_steps: int | None = None               # stop training after this many local steps (serve on)
