@@ -81,6 +81,7 @@ def build_status(node) -> NodeStatus:
                    "last_round_time": s.last_round_time, "last_group_size": s.last_group_size,
                    "last_verdict": s.last_verdict, "compression": s.compression, **traffic,
                    "round_seconds": list(s.round_seconds[-20:]),
+                   "round_started": [round(ts, 3) for ts in list(s.round_started)],
                    "history": [[round(ts, 3), g, ok, why] for ts, g, ok, why in list(s.history)]},
         chain_ce=[[round(ts, 3), ce] for ts, ce in node.chain_ce_history[-100:]],
         errors=node.errors[-10:],

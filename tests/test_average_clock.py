@@ -58,3 +58,35 @@ def test_replicas_meet_on_the_clock_when_their_steps_never_trigger_a_round(tmp_p
         assert all(0 < s["self"]["step"] < 1_000_000 for s in st)          # training, no step-triggered round
     finally:
         sw.stop_all()
+
+
+@pytest.mark.network
+def test_holders_of_a_later_block_meet_at_that_blocks_instant(tmp_path):
+    """Two holders of block 2 of 4 with an 8-second clock look for a group at second 4 of each period
+    (clock_offset), not at block 0's second 0: every round they begin starts at their block's instant
+    (within the averaging thread's 0.5 s poll plus a loaded machine's scheduling)."""
+    period, block = 8.0, 2
+    offset = clock_offset(period, block, 4)
+    assert offset == 4.0
+    args = ["--average-every", "1000000", "--average-period", "1e9", "--average-clock", str(period),
+            "--device", "cpu", "--train-duty", "0.3"]
+    sw = LocalSwarm(tmp_path / "sw", run_id="clockb2", overrides=SWARM_DEFAULTS, data=str(TEST_CORPUS),
+                    extra_args=args)
+    try:
+        sw.start_seed(block=block)
+        sw.start_join(block=block)
+        deadline = time.monotonic() + 90
+        st = []
+        while time.monotonic() < deadline:
+            st = [n.get("/v1/status") for n in sw.nodes]
+            if all(s["averaging"]["succeeded"] >= 1 for s in st):
+                break
+            time.sleep(1)
+        assert all(s["averaging"]["succeeded"] >= 1 for s in st), [s["averaging"] for s in st]
+        assert [s["self"]["block"] for s in st] == [block, block]
+        for s in st:
+            # the first round each node began cannot have been delayed by an earlier round overrunning
+            first = s["averaging"]["round_started"][0]
+            assert offset <= first % period < offset + 2.0, (first % period, s["averaging"]["round_started"])
+    finally:
+        sw.stop_all()

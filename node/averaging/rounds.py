@@ -45,6 +45,7 @@ class AveragingStats:
     last_failure: str = ""    # why the last round that formed no usable group failed
     history: list = field(default_factory=list)   # (time, group size, accepted, reason)
     round_seconds: list = field(default_factory=list)   # wall time of recent rounds that formed a group
+    round_started: list = field(default_factory=list)   # wall-clock instants recent rounds began (any outcome)
     compression: str = "fp32"
 
 
@@ -107,6 +108,8 @@ class BlockAverager:
         t = self.trainer
         self.round_no += 1
         self.stats.attempted += 1
+        self.stats.round_started.append(time.time())
+        del self.stats.round_started[:-20]
         if not t.ready():   # e.g. forward-chained without snapshots of blocks < b: cannot judge a round
             return self._failed(t.not_ready_reason())
         try:
