@@ -38,39 +38,12 @@ def test_bad_average_clock_is_refused(bad, tmp_path):
         NodeOptions(checkpoint_dir=tmp_path, run_id="r", average_clock=bad)
 
 
-@pytest.mark.network
-def test_replicas_meet_on_the_clock_when_their_steps_never_trigger_a_round(tmp_path):
-    args = ["--average-every", "1000000", "--average-period", "1e9", "--average-clock", "4", "--device", "cpu",
-            "--train-duty", "0.3"]
-    sw = LocalSwarm(tmp_path / "sw", run_id="clock", overrides=SWARM_DEFAULTS, data=str(TEST_CORPUS),
-                    extra_args=args)
-    try:
-        sw.start_seed(block=0)
-        sw.start_join(block=0)
-        deadline = time.monotonic() + 90
-        st = []
-        while time.monotonic() < deadline:
-            st = [n.get("/v1/status") for n in sw.nodes]
-            if all(s["averaging"]["succeeded"] >= 1 for s in st):
-                break
-            time.sleep(1)
-        assert all(s["averaging"]["succeeded"] >= 1 for s in st), [s["averaging"] for s in st]
-        assert all(0 < s["self"]["step"] < 1_000_000 for s in st)          # training, no step-triggered round
-    finally:
-        sw.stop_all()
-
-
-@pytest.mark.network
-def test_holders_of_a_later_block_meet_at_that_blocks_instant(tmp_path):
-    """Two holders of block 2 of 4 with an 8-second clock look for a group at second 4 of each period
-    (clock_offset), not at block 0's second 0: every round they begin starts at their block's instant
-    (within the averaging thread's 0.5 s poll plus a loaded machine's scheduling)."""
-    period, block = 8.0, 2
-    offset = clock_offset(period, block, 4)
-    assert offset == 4.0
+def _two_holders_meet(tmp_path, run_id: str, block: int, period: float) -> list[dict]:
+    """Start two real nodes holding ``block`` whose only round trigger is the wall clock (step-triggered
+    rounds out of reach, idle rounds off); wait until both accepted a round; their /v1/status."""
     args = ["--average-every", "1000000", "--average-period", "1e9", "--average-clock", str(period),
             "--device", "cpu", "--train-duty", "0.3"]
-    sw = LocalSwarm(tmp_path / "sw", run_id="clockb2", overrides=SWARM_DEFAULTS, data=str(TEST_CORPUS),
+    sw = LocalSwarm(tmp_path / "sw", run_id=run_id, overrides=SWARM_DEFAULTS, data=str(TEST_CORPUS),
                     extra_args=args)
     try:
         sw.start_seed(block=block)
@@ -84,9 +57,26 @@ def test_holders_of_a_later_block_meet_at_that_blocks_instant(tmp_path):
             time.sleep(1)
         assert all(s["averaging"]["succeeded"] >= 1 for s in st), [s["averaging"] for s in st]
         assert [s["self"]["block"] for s in st] == [block, block]
-        for s in st:
-            # the first round each node began cannot have been delayed by an earlier round overrunning
-            first = s["averaging"]["round_started"][0]
-            assert offset <= first % period < offset + 2.0, (first % period, s["averaging"]["round_started"])
+        return st
     finally:
         sw.stop_all()
+
+
+@pytest.mark.network
+def test_replicas_meet_on_the_clock_when_their_steps_never_trigger_a_round(tmp_path):
+    st = _two_holders_meet(tmp_path, "clock", block=0, period=4.0)
+    assert all(0 < s["self"]["step"] < 1_000_000 for s in st)          # training, no step-triggered round
+
+
+@pytest.mark.network
+def test_holders_of_a_later_block_meet_at_that_blocks_instant(tmp_path):
+    """Two holders of block 2 of 4 with an 8-second clock look for a group at second 4 of each period
+    (clock_offset), not at block 0's second 0: the first round each begins starts at its block's instant
+    (within the averaging thread's 0.5 s poll plus a loaded machine's scheduling)."""
+    period, block = 8.0, 2
+    offset = clock_offset(period, block, 4)
+    assert offset == 4.0
+    for s in _two_holders_meet(tmp_path, "clockb2", block=block, period=period):
+        # the first round each node began cannot have been delayed by an earlier round overrunning
+        first = s["averaging"]["round_started"][0]
+        assert offset <= first % period < offset + 2.0, (first % period, s["averaging"]["round_started"])
