@@ -31,6 +31,7 @@ from blocktrain.blocks.device import pick_device
 from blocktrain.blocks.objectives import get_objective
 from blocktrain.node import generation
 from blocktrain.node.auth import RunAuth
+from blocktrain.node.averaging.clock import AverageClock
 from blocktrain.node.averaging.rounds import BlockAverager
 from blocktrain.node.loops import DutyCycle, Loop, Teardown
 from blocktrain.node.memory import release_startup_pages, tune_malloc
@@ -74,19 +75,6 @@ def _asked(what: str, stopped_when_asked: bool) -> None:
     """A teardown step's check: a child that had to be killed is a problem worth reporting."""
     if not stopped_when_asked:
         raise RuntimeError(f"{what} did not stop when asked and was killed")
-
-
-def next_clock_slot(now: float, period: float, offset: float = 0.0) -> float:
-    """The first instant after ``now`` that is ``offset`` past a multiple of ``period`` seconds of the wall
-    clock (an --average-clock instant)."""
-    return (math.floor((now - offset) / period) + 1) * period + offset
-
-
-def clock_offset(period: float, block: int, n_blocks: int) -> float:
-    """Where in each --average-clock period the holders of ``block`` look for a group: the same instant for
-    every replica of a block, the blocks spread evenly over the period (a run's holders do not all start
-    matchmaking on the DHT in the same second)."""
-    return period * block / n_blocks
 
 
 class Node:
@@ -411,19 +399,10 @@ class Node:
         (max steps reached, serve-only), a round every ``average_period`` seconds so idle replicas
         keep converging."""
         last = time.monotonic()
-        clock = self.opts.average_clock
-
-        def next_slot() -> float:   # the block is re-read: a rebalancing move changes it
-            if clock <= 0:
-                return math.inf
-            return next_clock_slot(time.time(), clock, clock_offset(clock, self.block_index, self.cfg.n_blocks))
-
-        slot = next_slot()
+        clock = AverageClock(self.opts.average_clock, self.cfg.n_blocks, lambda: self.block_index)
         while not stop.is_set():
             woke = self._avg_wakeup.wait(timeout=0.5)
-            on_clock = time.time() >= slot
-            if on_clock:
-                slot = next_slot()
+            on_clock = clock.due()
             if not (woke or on_clock or (self._idle() and time.monotonic() - last >= self.opts.average_period)):
                 continue
             last = time.monotonic()

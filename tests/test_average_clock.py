@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from blocktrain.node.node import clock_offset, next_clock_slot
+from blocktrain.node.averaging.clock import AverageClock, clock_offset, next_clock_slot
 from blocktrain.node.options import NodeOptions
 from blocktrain.node.swarm.launcher import LocalSwarm
 from blocktrain.node.swarm.run import SWARM_DEFAULTS
@@ -30,6 +30,50 @@ def test_each_block_has_its_own_instant_in_the_period():
     offsets = [clock_offset(60.0, b, 4) for b in range(4)]
     assert offsets == [0.0, 15.0, 30.0, 45.0]             # replicas of a block share one; blocks spread out
     assert all(0 <= o < 60.0 for o in offsets)
+
+
+class _Wall:
+    def __init__(self, t: float):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_clock_is_due_once_at_each_instant_of_its_block():
+    wall, block = _Wall(1000.0), [1]
+    clock = AverageClock(60.0, 4, lambda: block[0], now=wall)
+    assert clock.slot == 1035.0                          # block 1 of 4: 15 s past each minute
+    due = []
+    for t in range(1000, 1200):
+        wall.t = float(t)
+        if clock.due():
+            due.append(t)
+    assert due == [1035, 1095, 1155]
+
+
+def test_a_move_retargets_the_next_instant_to_the_new_block_at_once():
+    """Without the re-target, the first clocked round after a rebalancing move would run at the old
+    block's instant, where none of the new block's holders look for a group."""
+    wall, block = _Wall(1000.0), [1]
+    clock = AverageClock(60.0, 4, lambda: block[0], now=wall)
+    wall.t = 1010.0
+    block[0] = 3                                         # moved to block 3: 45 s past each minute
+    assert not clock.due() and clock.slot == 1065.0
+    due = []
+    for t in range(1011, 1120):
+        wall.t = float(t)
+        if clock.due():
+            due.append(t)
+    assert due == [1065]                                 # not block 1's 1035 first
+
+
+def test_a_clock_of_zero_is_never_due():
+    wall = _Wall(0.0)
+    clock = AverageClock(0.0, 4, lambda: 2, now=wall)
+    for t in (0.0, 60.0, 1e9):
+        wall.t = t
+        assert not clock.due()
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan")])
