@@ -2,8 +2,9 @@
 keep the test short: the preset trains 3 workers over 2 blocks for 10 s, then serves from their
 checkpoints, then trains the two references) and reports every figure the table and plot show.
 --no-whole-reference skips the whole-size reference (checked without a network).
-The h200 preset's plan is checked against its 8-minute budget, and its settings (fp16 activations,
-8 in flight, references, the device handed to every worker) run here at the tiny size on CPU."""
+The h200 preset's plan is checked against its 8-minute budget, and its training settings (fp16
+activations, 8 in flight, the device handed to every worker) run here at the tiny size on CPU; its
+references and serving take the code paths the --tiny test runs, so that run skips them."""
 from __future__ import annotations
 
 import json
@@ -103,7 +104,7 @@ def test_h200_preset_runs_at_tiny_size_on_cpu(tmp_path):
     tiny = ["d_model=32", "n_heads=2", "layers_per_block=1", "n_blocks=2", "seq_len=32", "target_dim=8",
             "batch_size=4", "warmup_steps=2"]
     out = _run(["--preset", "h200", "--device", "cpu", "--objective", "pipeline", "--layout", "0,1,1",
-                "--train-seconds", "8", "--gen-bytes", "4", "--delay-ms", "5", "--data", str(TEST_CORPUS),
+                "--train-seconds", "8", "--no-references", "--no-serving", "--data", str(TEST_CORPUS),
                 *[a for kv in tiny for a in ("--set", kv)], "--workdir", str(tmp_path / "w"), "--json"])
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
@@ -113,7 +114,6 @@ def test_h200_preset_runs_at_tiny_size_on_cpu(tmp_path):
     # fp16 on the wire: block 0's pipeline messages carry 2 bytes per activation value, not 4
     b0 = [w for w in r["workers"] if w["block"] == 0][0]
     assert 0 < b0["pipeline_bytes_sent"] < b0["windows"] * 32 * 32 * 4
-    assert res["references"]["whole"]["ce"] < math.log(256) - 0.3 and r["serving"]["traversals"] == 4
 
 
 @pytest.mark.parametrize("flags", [["--inflight", "1"], ["--inflight", "3", "--flush"]], ids=["inflight1", "flush"])
