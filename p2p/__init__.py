@@ -20,16 +20,20 @@ Modules, one concern each:
 
 * ``process`` / ``inprocess`` hivemind's DHT and averager loops: threads of the node (default) or its children
 * ``lean_imports`` imports hivemind makes that a node does not use (scipy, hivemind.moe / .optim), deferred to first use
+* ``unary_guard`` a fix for hivemind's unary calls (a call cancelled as its answer arrived silenced the P2P instance)
 
 Submodules are not imported here, so ``import blocktrain.p2p`` stays cheap; only the sharing strategy
 hivemind will give torch is chosen here, before any submodule imports hivemind (p2p/inprocess.py),
 and scipy.optimize, which hivemind imports but a node never calls, and hivemind's package ``__init__``
-(its mixture-of-experts and optimizer packages) are made lazy (p2p/lean_imports.py).
+(its mixture-of-experts and optimizer packages) are made lazy (p2p/lean_imports.py), and hivemind's
+unary-call client is guarded the moment it is imported (p2p/unary_guard.py).
 """
 from blocktrain.p2p.inprocess import default_sharing_strategy as _default_sharing_strategy
 from blocktrain.p2p.lean_imports import defer_hivemind_init as _defer_hivemind_init
 from blocktrain.p2p.lean_imports import defer_scipy_optimize as _defer_scipy_optimize
+from blocktrain.p2p.unary_guard import install_on_import as _guard_unary_calls
 
 _default_sharing_strategy()
 _defer_scipy_optimize()
 _defer_hivemind_init()
+_guard_unary_calls()

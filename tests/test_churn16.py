@@ -7,6 +7,10 @@ Asserted: every block keeps a live holder (the test knows which processes are al
 block each holds), 100 % of generations succeed while it does, averaging rounds form groups in
 every block, and after the churn every node still alive answers and no process survives teardown.
 
+The run trains the objective ``BT_CHURN_OBJECTIVE`` names (default ``pipeline``, what ``bt-node seed``
+starts; ``paper`` trains block-locally, and its nodes rebalance). Until 2026-12-04 the test named none,
+so it ran the config's ``paper`` (``LocalSwarm``'s default), not what a new run trains.
+
 Runs only when asked: ``BT_CHURN_MINUTES=N`` churns for N minutes (it starts 16 nodes, which takes
 minutes on a 2-core machine, so the default suite skips it to stay well under 15 minutes); with
 ``BT_RELIABILITY_LOG=path.jsonl`` the figures (also the simulator's calibration: join-to-serving
@@ -28,6 +32,7 @@ from test_utils.configs import TEST_CORPUS
 from test_utils.reliability import QUIET_TRAINING, TINY, RelSwarm, kill9, report, stop_swarm
 
 MINUTES = float(os.environ.get("BT_CHURN_MINUTES", "0"))
+OBJECTIVE = os.environ.get("BT_CHURN_OBJECTIVE", "pipeline")
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.reliability,
               pytest.mark.timeout(int(1500 + MINUTES * 90)),
               pytest.mark.skipif(MINUTES <= 0, reason="16 nodes under churn run only when asked: BT_CHURN_MINUTES=2 "
@@ -114,7 +119,7 @@ def without_block(args: list[str]) -> list[str]:
 
 def test_sixteen_nodes_under_churn(tmp_path):
     rng = random.Random(15)
-    sw = RelSwarm(tmp_path, run_id=RUN, overrides=[*TINY, f"n_blocks={N_BLOCKS}"], data=str(TEST_CORPUS),
+    sw = RelSwarm(tmp_path, run_id=RUN, overrides=[*TINY, f"n_blocks={N_BLOCKS}", f"objective={OBJECTIVE}"], data=str(TEST_CORPUS),
                   extra_args=ARGS)
     client, mon, threads = None, None, []
     join_s: list[float] = []
@@ -211,7 +216,7 @@ def test_sixteen_nodes_under_churn(tmp_path):
         hops = sum(1 for g in mon.gens if g[2]) * N_BLOCKS
         failovers = sum(g[3] for g in mon.gens if g[2])
         figures = dict(
-            nodes=N_NODES, blocks=N_BLOCKS, churn_minutes=MINUTES, kills=kills, restarts=restarts,
+            objective=OBJECTIVE, nodes=N_NODES, blocks=N_BLOCKS, churn_minutes=MINUTES, kills=kills, restarts=restarts,
             startup_s=round(startup_s, 1), coverage=round(sum(covered) / max(1, len(covered)), 4),
             coverage_samples=len(covered), sample_every_s=Monitor.SAMPLE_S,
             uncovered=[(round(t - t0_wall, 1), b) for t, b in mon.uncovered][:20], generations=len(mon.gens), generations_while_covered=len(gens_cov),
