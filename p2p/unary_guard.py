@@ -13,11 +13,20 @@ while it looks alive in the DHT (RELIABILITY.md, "16 nodes under churn": 0 of 22
 run, every try timing out at holders that were alive). ``tests/test_unary_guard.py`` reproduces it
 deterministically with real daemons.
 
-The fix (:func:`install`): each ``ControlClient``'s ``_pending_calls`` becomes a :class:`PendingCalls`,
+The same class leaks on the serving side: an incoming unary request is handled by a task kept in
+``_handler_tasks`` and removed when the handler returns; a request its caller gave up on (the daemon
+sends a cancel, the task is cancelled) was never removed, and the finished task keeps its
+``CancelledError``, whose traceback holds the handler's frames and so the request's bytes (a hop's
+activations) for the life of the node: 100 calls of 1 MB given up after 0.3 s left 100 tasks behind and
+the process's RSS 291 MB larger (caller and server in one process; 8 MB with this guard:
+``docs/records/s26/leak_probe.py``).
+
+The fix (:func:`install`), part 1: each ``ControlClient``'s ``_pending_calls`` becomes a :class:`PendingCalls`,
 a dict whose membership test says no for a future that is already done. The reader checks membership
 before every ``set_result`` / ``set_exception``, so an answer to a call that was given up is dropped
 (hivemind logs it at debug level as unexpected) instead of killing the reader. Nothing else changes:
-calls still store, await and pop their futures as before.
+calls still store, await and pop their futures as before. Part 2: ``_handler_tasks`` becomes a
+:class:`HandlerTasks`, from which a request's task removes itself once done, however it ended.
 
 Installed when hivemind's ``control`` module is first imported (``blocktrain/p2p/__init__.py``
 registers :func:`install_on_import`), so every P2P instance a blocktrain process makes is guarded,
@@ -44,9 +53,19 @@ class PendingCalls(dict):
         return fut is not None and not (isinstance(fut, asyncio.Future) and fut.done())
 
 
+class HandlerTasks(dict):
+    """``call_id -> Task`` of incoming unary requests; a task leaves it as soon as it is done, however it
+    ended (hivemind's handler removes it only when it returns: not when cancelled, even before it ran)."""
+
+    def __setitem__(self, call_id, task) -> None:
+        super().__setitem__(call_id, task)
+        if isinstance(task, asyncio.Future):
+            task.add_done_callback(lambda t, key=call_id: self.pop(key, None) if self.get(key) is t else None)
+
+
 def install(control_module=None) -> bool:
-    """Patch ``ControlClient`` so that every new instance keeps its pending calls in a :class:`PendingCalls`.
-    Idempotent; True if the class is (now) patched."""
+    """Patch ``ControlClient``: every new instance keeps its pending calls in a :class:`PendingCalls` and
+    its incoming requests' tasks in a :class:`HandlerTasks`. Idempotent; True if the class is (now) patched."""
     module = control_module or sys.modules.get(CONTROL_MODULE)
     if module is None:
         return False
@@ -59,6 +78,7 @@ def install(control_module=None) -> bool:
         def __init__(self, *args, **kwargs):
             original_init(self, *args, **kwargs)
             self._pending_calls = PendingCalls(self._pending_calls)
+            self._handler_tasks = HandlerTasks(self._handler_tasks)
 
         __init__.__wrapped__ = original_init
         cls.__init__ = __init__

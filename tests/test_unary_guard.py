@@ -82,3 +82,46 @@ def test_a_unary_call_cancelled_as_its_answer_arrives_leaves_the_p2p_instance_wo
             server_loop.run(server.shutdown(), timeout=10)
         client_loop.stop()
         server_loop.stop()
+
+
+def test_a_request_its_caller_gave_up_on_leaves_no_task_behind_on_the_server():
+    """Unguarded, a unary request cancelled by its caller stays in the server's ``_handler_tasks`` for
+    good, holding the request (its traceback's frames) for the life of the node."""
+    loop = LoopThread(name="bt-test-leak")
+    started = []
+
+    async def slow(req: runtime_pb2.ExpertRequest, context) -> runtime_pb2.ExpertResponse:
+        started.append(len(req.metadata))
+        await asyncio.sleep(30)
+        return runtime_pb2.ExpertResponse()
+
+    server = client = None
+    try:
+        server = loop.run(P2P.create(host_maddrs=LOCAL), timeout=60)
+        loop.run(server.add_protobuf_handler("slow", slow, runtime_pb2.ExpertRequest), timeout=10)
+        client = loop.run(P2P.create(host_maddrs=LOCAL, initial_peers=loop.run(server.get_visible_maddrs(), 10)),
+                          timeout=60)
+        tasks = server._client.control._handler_tasks
+
+        async def give_up() -> None:
+            try:
+                await asyncio.wait_for(client.call_protobuf_handler(
+                    server.peer_id, "slow", runtime_pb2.ExpertRequest(metadata=b"x" * 100_000),
+                    runtime_pb2.ExpertResponse), 0.5)
+            except asyncio.TimeoutError:
+                return
+            raise AssertionError("the slow handler answered")
+
+        for _ in range(4):
+            loop.run(give_up(), timeout=30)
+        deadline = time.monotonic() + 10
+        while (len(started) < 4 or tasks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(started) == 4   # every request reached the handler and was then cancelled
+        assert len(tasks) == 0, f"{len(tasks)} cancelled request(s) left in _handler_tasks"
+    finally:
+        if client is not None:
+            loop.run(client.shutdown(), timeout=10)
+        if server is not None:
+            loop.run(server.shutdown(), timeout=10)
+        loop.stop()
