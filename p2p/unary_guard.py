@@ -99,6 +99,9 @@ class _PatchAfterLoad(importlib.abc.Loader):
         self.loader.exec_module(module)
         install(module)
 
+    def __getattr__(self, name):   # get_source, get_resource_reader, ...: the real loader's
+        return getattr(self.loader, name)
+
 
 class _ControlFinder(importlib.abc.MetaPathFinder):
     """Finds hivemind's ``control`` module the usual way and wraps its loader (see :class:`_PatchAfterLoad`)."""
