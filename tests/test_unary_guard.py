@@ -12,6 +12,7 @@ instance goes unanswered: this test then fails at its first follow-up call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -30,6 +31,26 @@ LOCAL = ["/ip4/127.0.0.1/tcp/0"]
 ROUNDS = 10
 
 
+@contextlib.contextmanager
+def server_and_client(name: str, handler, server_loop: LoopThread, client_loop: LoopThread):
+    """A P2P instance serving ``handler`` as unary protobuf handler ``name`` on ``server_loop``, and a caller
+    on ``client_loop`` (the same loop or another); both shut down, and the loops stopped, on exit."""
+    server = client = None
+    try:
+        server = server_loop.run(P2P.create(host_maddrs=LOCAL), timeout=60)
+        server_loop.run(server.add_protobuf_handler(name, handler, runtime_pb2.ExpertRequest), timeout=10)
+        maddrs = server_loop.run(server.get_visible_maddrs(), timeout=10)
+        client = client_loop.run(P2P.create(host_maddrs=LOCAL, initial_peers=maddrs), timeout=60)
+        yield server, client
+    finally:
+        if client is not None:
+            client_loop.run(client.shutdown(), timeout=10)
+        if server is not None:
+            server_loop.run(server.shutdown(), timeout=10)
+        client_loop.stop()
+        server_loop.stop()
+
+
 def test_a_unary_call_cancelled_as_its_answer_arrives_leaves_the_p2p_instance_working():
     assert getattr(ControlClient, "_bt_unary_guard", False)
     server_loop, client_loop = LoopThread(name="bt-test-server"), LoopThread(name="bt-test-client")
@@ -39,12 +60,7 @@ def test_a_unary_call_cancelled_as_its_answer_arrives_leaves_the_p2p_instance_wo
         served.append(req.metadata)
         return runtime_pb2.ExpertResponse(metadata=req.metadata)
 
-    server = client = None
-    try:
-        server = server_loop.run(P2P.create(host_maddrs=LOCAL), timeout=60)
-        server_loop.run(server.add_protobuf_handler("echo", echo, runtime_pb2.ExpertRequest), timeout=10)
-        maddrs = server_loop.run(server.get_visible_maddrs(), timeout=10)
-        client = client_loop.run(P2P.create(host_maddrs=LOCAL, initial_peers=maddrs), timeout=60)
+    with server_and_client("echo", echo, server_loop, client_loop) as (server, client):
         assert isinstance(client._client.control._pending_calls, PendingCalls)
 
         def call(tag: bytes):
@@ -75,13 +91,6 @@ def test_a_unary_call_cancelled_as_its_answer_arrives_leaves_the_p2p_instance_wo
         assert outcomes.count("cancelled") >= ROUNDS // 2, outcomes
         assert sum(m.startswith(b"raced") for m in served) >= outcomes.count("cancelled")
         assert len(client._client.control._pending_calls) == 0   # nothing left behind
-    finally:
-        if client is not None:
-            client_loop.run(client.shutdown(), timeout=10)
-        if server is not None:
-            server_loop.run(server.shutdown(), timeout=10)
-        client_loop.stop()
-        server_loop.stop()
 
 
 def test_a_request_its_caller_gave_up_on_leaves_no_task_behind_on_the_server():
@@ -95,12 +104,7 @@ def test_a_request_its_caller_gave_up_on_leaves_no_task_behind_on_the_server():
         await asyncio.sleep(30)
         return runtime_pb2.ExpertResponse()
 
-    server = client = None
-    try:
-        server = loop.run(P2P.create(host_maddrs=LOCAL), timeout=60)
-        loop.run(server.add_protobuf_handler("slow", slow, runtime_pb2.ExpertRequest), timeout=10)
-        client = loop.run(P2P.create(host_maddrs=LOCAL, initial_peers=loop.run(server.get_visible_maddrs(), 10)),
-                          timeout=60)
+    with server_and_client("slow", slow, loop, loop) as (server, client):
         tasks = server._client.control._handler_tasks
 
         async def give_up() -> None:
@@ -119,9 +123,3 @@ def test_a_request_its_caller_gave_up_on_leaves_no_task_behind_on_the_server():
             time.sleep(0.1)
         assert len(started) == 4   # every request reached the handler and was then cancelled
         assert len(tasks) == 0, f"{len(tasks)} cancelled request(s) left in _handler_tasks"
-    finally:
-        if client is not None:
-            loop.run(client.shutdown(), timeout=10)
-        if server is not None:
-            loop.run(server.shutdown(), timeout=10)
-        loop.stop()
