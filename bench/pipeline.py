@@ -315,7 +315,7 @@ def _delta(end: dict, start: dict, key: str) -> float | None:
 
 
 def _score_curve(obj, cfg: ModelConfig, curve: list[dict], windows: torch.Tensor) -> None:
-    """Score each exported chain of ``curve`` (in place: ``ce``) and drop its files."""
+    """Score each exported chain of ``curve`` (in place: ``ce``) on ``windows``' device and drop its files."""
     for pt in curve:
         if "dir" not in pt:
             continue
@@ -325,13 +325,13 @@ def _score_curve(obj, cfg: ModelConfig, curve: list[dict], windows: torch.Tensor
             m = obj.build_block(b)
             m.load_state_dict(ckpt.load_block(d / ckpt.block_filename(b), expected_config_hash=cfg.config_hash,
                                               expected_block=b).tensors)
-            chain.append(m.eval())
+            chain.append(m.to(windows.device).eval())
         pt["ce"] = obj.score(obj.local_hops(chain), windows, k=2, generator=torch.Generator().manual_seed(0)).ce
         shutil.rmtree(d, ignore_errors=True)
 
 
-def _load_chains(cfg: ModelConfig, workers: list[dict]) -> list[list[torch.nn.Module]]:
-    """The trained blocks, one chain per replica index (the last replica where a block has fewer)."""
+def _load_chains(cfg: ModelConfig, workers: list[dict], device: torch.device) -> list[list[torch.nn.Module]]:
+    """The trained blocks on ``device``, one chain per replica index (the last replica where a block has fewer)."""
     obj = get_objective(cfg)
     by_block: dict[int, list[torch.nn.Module]] = {}
     for w in workers:
@@ -342,7 +342,7 @@ def _load_chains(cfg: ModelConfig, workers: list[dict]) -> list[list[torch.nn.Mo
                             expected_block=w["block"])
         m = obj.build_block(w["block"])
         m.load_state_dict(c.tensors)
-        by_block.setdefault(w["block"], []).append(m.eval())
+        by_block.setdefault(w["block"], []).append(m.to(device).eval())
     n = max(len(v) for v in by_block.values())
     return [[by_block[b][min(r, len(by_block[b]) - 1)] for b in range(cfg.n_blocks)] for r in range(n)]
 
@@ -395,28 +395,34 @@ def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
     windows = eval_windows(split.eval, base_cfg.seq_len, s.eval_windows)
     train_w = eval_windows(split.train, base_cfg.seq_len, s.train_windows) if s.train_windows else None
     prompt = bytes(windows[0, :16].tolist())
+    # every chain is scored on the workers' device (cuda: the same bf16 autocast as the references and
+    # `bench quality`); the references' processes get the CPU copies
+    dev = torch.device(s.device)
+    windows_d = windows.to(dev)
+    train_wd = None if train_w is None else train_w.to(dev)
     t_start, runs = time.time(), {}
     try:
         for name in s.objectives:
             net = _Network(name, s, base, data_used)
             obj, cfg = get_objective(net.cfg), net.cfg
             g = torch.Generator
-            ce_init = obj.score(obj.local_hops(init_blocks(cfg)), windows, k=2, generator=g().manual_seed(0)).ce
+            ce_init = obj.score(obj.local_hops([m.to(dev) for m in init_blocks(cfg)]), windows_d, k=2,
+                                generator=g().manual_seed(0)).ce
             try:
                 r = net.train(say)
             finally:
                 net.swarm.stop_all()
-            chains = _load_chains(cfg, r["workers"])
-            ces = [obj.score(obj.local_hops(c), windows, k=2, generator=g().manual_seed(0)).ce for c in chains]
-            per_window = np.mean([per_window_chain_ce(obj, c, windows, k=2)[0] for c in chains], axis=0)
+            chains = _load_chains(cfg, r["workers"], dev)
+            ces = [obj.score(obj.local_hops(c), windows_d, k=2, generator=g().manual_seed(0)).ce for c in chains]
+            per_window = np.mean([per_window_chain_ce(obj, c, windows_d, k=2)[0] for c in chains], axis=0)
             r.update(chain_ce=sum(ces) / len(ces), chain_ce_by_replica=ces, chain_ce_init=ce_init,
                      ce_kind=obj.ce_kind, chain_ce_per_window=[round(float(x), 6) for x in per_window])
-            if train_w is not None:   # protocol v2: train CE beside held-out CE (how far each arm overfits)
-                tr = [obj.score(obj.local_hops(c), train_w, k=2, generator=g().manual_seed(0)).ce for c in chains]
+            if train_wd is not None:   # protocol v2: train CE beside held-out CE (how far each arm overfits)
+                tr = [obj.score(obj.local_hops(c), train_wd, k=2, generator=g().manual_seed(0)).ce for c in chains]
                 r["chain_ce_train"] = sum(tr) / len(tr)
-            _score_curve(obj, cfg, r["curve"], windows[:s.curve_windows])
+            _score_curve(obj, cfg, r["curve"], windows_d[:s.curve_windows])
             if s.curve_every > 0:   # the end of the curve: the final chains, on the curve's windows
-                end = [obj.score(obj.local_hops(c), windows[:s.curve_windows], k=2, generator=g().manual_seed(0)).ce
+                end = [obj.score(obj.local_hops(c), windows_d[:s.curve_windows], k=2, generator=g().manual_seed(0)).ce
                        for c in chains]
                 r["curve"].append({"wall_s": r["train_wall_s"], "cpu_s": r["cpu_s_per_worker"]["mean"],
                                    "steps": _spread([w["steps"] for w in r["workers"]]),
