@@ -70,8 +70,8 @@ def node_options(fn):
                           "node's block, whose outputs it trains on."),
         click.option("--rebalance/--no-rebalance", default=True, show_default=True,
                      help="Move to a block with far fewer holders when this one has many more (same policy as "
-                          "`bt-node bench simulate`); --no-rebalance pins the block. Block-local runs only: "
-                          "chain-trained (pipeline, forward-streamed) and forward-chained nodes stay on their block."),
+                          "`bt-node bench simulate`); --no-rebalance pins the block. Forward-chained and "
+                          "forward-residual nodes stay on their block."),
         click.option("--rebalance-dwell", type=click.FloatRange(0, 86400), default=600.0, show_default=True,
                      help="Seconds a block is held before the node may move away from it (a rescue of a block "
                           "down to one ready holder does not wait)."),

@@ -12,7 +12,7 @@ import click
 import torch
 
 from blocktrain.bench.quality import quality_result, quality_run
-from blocktrain.bench.quality_presets import PRESETS, Preset
+from blocktrain.bench.quality_presets import PRESETS, Preset, predict_seconds
 from blocktrain.bench.quality_report import markdown_table, summarize
 from blocktrain.bench.quality_v2 import Settings, Study, StudyError, write_json, arm_kind, check_arms
 from blocktrain.blocks.budget import Budget
@@ -54,7 +54,8 @@ def _machine(device: torch.device) -> dict:
                    "v1: the chain and both references interleaved in one run (BENCHMARKS.md's v1 records).")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default=None,
               help="v2 defaults: tiny (tests, seconds on a CPU), cpu (BENCHMARKS.md), h200 (one H200, bf16, "
-                   "<= 8 minutes). Options given here win.")
+                   "planned for under 8 minutes at the rates one H200 run measured; --plan says). Options given "
+                   "here win.")
 @click.option("--arms", default=None, help="v2, comma-separated: objectives (chains), one-block, whole, "
                                            "one-block@streamed [default: --objective's chain,one-block,whole].")
 @click.option("--budget", default=None,
@@ -147,9 +148,10 @@ def _run_v2(data, eval_data, config_path, objective, overrides, p: Preset, prese
     machine = _machine(dev)
     if plan:
         res = study.plan(arm_list, seed_list, lr_sweep if lr_sweep is not None else p.lr_sweep)
-        if p.assume_flops_per_s:
-            res["assumed_flops_per_s"] = p.assume_flops_per_s
-            res["predicted_train_seconds"] = res["total_flops"] / p.assume_flops_per_s
+        if p.timing is not None:
+            swept = lr_sweep if lr_sweep is not None else p.lr_sweep
+            res["predicted"] = predict_seconds(p.timing, res, sweep_fraction=settings.sweep_fraction,
+                                               n_rates=len(settings.lr_grid), swept=bool(swept))
         res.update(preset=preset_name, config=cfg.to_dict(), machine=machine)
         if as_json:
             emit_json(res)
@@ -157,9 +159,10 @@ def _run_v2(data, eval_data, config_path, objective, overrides, p: Preset, prese
             for row in res["arms"]:
                 click.echo(f"{row['arm']}: {row['rounds']} rounds x {row['flops_per_round']:.3g} FLOPs = "
                            f"{row['flops']:.3g}; {row['epochs']:.2f} epochs")
+            pred = res.get("predicted")
             click.echo(f"total {res['total_flops']:.3g} FLOPs (sweep {res['sweep_flops']:.3g})"
-                       + (f"; {res['predicted_train_seconds'] / 60:.1f} min at "
-                          f"{p.assume_flops_per_s / 1e12:.0f} TFLOP/s" if p.assume_flops_per_s else ""))
+                       + (f"; about {pred['total_s'] / 60:.1f} min at the rates measured on {pred['timing_source']}"
+                          if pred else ""))
         return
     lrs, sources, sweep = _choose_lrs(study, arm_list, lr_sweep if lr_sweep is not None else p.lr_sweep,
                                       _lr_pairs(lr_items), cfg.lr)

@@ -99,6 +99,7 @@ class Node:
         self.discovery = self.trainer = self.averager = self.http = self.upstream = None
         self.server = self.client = self.router = None
         self.pipeline = None                  # the pipeline engine, for chain-trained runs (node/pipeline)
+        self.pipeline_server = None           # its rpc_train service (both replaced when the node moves)
         self.block_since = time.monotonic()   # when this node took its current block (rebalancing dwell)
         self.moving_to: int | None = None     # a rebalancing move in progress (node/rebalance.py)
         self.rebalancer = None
@@ -142,7 +143,7 @@ class Node:
         self._build_trainer()
         self._start_rpc()
         if not self.trainer.objective.block_local:   # pipeline / forward-streamed: train along the chain
-            self.pipeline = start_pipeline(self)
+            start_pipeline(self)
         self.averager = self.new_averager(self.trainer, share=False)
         td.push("averager", self._stop_averagers, budget=3.0)
         if self.upstream is not None and self.block_index > 0:
@@ -156,7 +157,7 @@ class Node:
             td.push("http", self.http.stop, budget=2.0)
         td.push("announcements", lambda: self.discovery.stop_announcing(withdraw=True, timeout=2.5), budget=3.0)
         td.push("final checkpoint", self._final_checkpoint, budget=self.final_checkpoint_budget)
-        self._start_loop("train", self._train if self.pipeline is None else self.pipeline.run,
+        self._start_loop("train", self._train if self.pipeline is None else self._run_pipeline,
                          budget=self.train_loop_budget)
         self._start_loop("average", self._average)
         if self.upstream is not None and self.block_index > 0:
@@ -165,13 +166,22 @@ class Node:
             self._start_loop("eval", self._eval)
         if self.reach.private:
             self._start_loop("reachability", self.reach.run)
-        # forward-chained (snapshots of blocks < b) and chain-trained runs (an engine built for one block) stay put
-        if o.rebalance and not self.trainer.objective.needs_upstream and self.pipeline is None:
+        # forward-chained nodes (snapshots of blocks < b, rebuilt for a new block) stay put
+        if o.rebalance and not self.trainer.objective.needs_upstream:
             from blocktrain.node.rebalance import Rebalancer
             self.rebalancer = Rebalancer(self, dwell_s=o.rebalance_dwell, period_s=o.ttl / 3)
             self._start_loop("rebalance", self.rebalancer.run)
         release_startup_pages()   # node/memory.py: library code touched only while starting
         return self
+
+    def _run_pipeline(self, stop: threading.Event) -> None:
+        """The train loop of a chain-trained node: the current engine's ``run``; after a rebalancing move
+        retires it, the new block's engine (node/rebalance.py)."""
+        while not stop.is_set():
+            engine = self.pipeline
+            engine.run(stop)
+            while engine is self.pipeline and not stop.is_set():   # retired, its successor not yet committed
+                stop.wait(0.1)
 
     def _stop_averagers(self) -> None:
         old, self.old_averager = self.old_averager, None   # a move's old one, if a stop came mid-move

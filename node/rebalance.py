@@ -27,6 +27,14 @@ A move from block m to block t (:meth:`Rebalancer.move`), while the node keeps t
    router, announcement (t ``online``); m's checkpoint is written and m's record tombstoned;
 5. after a grace period (routers cache holder lists for 3 s) stop serving m and its averager.
 
+A chain-trained node (``pipeline``, ``forward-streamed``) moves the same way. Its downloaded state is
+judged as a late joiner's is (finite, the block's shapes: a pipeline block has no loss alone); before
+the switch t's pipeline engine is built and its ``rpc_train`` service registered, refusing work
+(``busy``) until the switch commits it; then the train loop leaves m's engine (its ``run`` returns; new
+micro-batches to m are refused, ``busy``, so their senders try m's other holders; those m holds finish
+or expire) for t's, carrying on the node's pipeline totals; step 5 also stops m's engine and service.
+Micro-batches of m in flight at the switch may be lost (counted); no wait is unbounded.
+
 Forward-chained objectives (a block trains on snapshots of the blocks before it) do not move: the
 node does not start a rebalancer for them (a move would also have to rebuild those snapshots).
 """
@@ -37,6 +45,7 @@ import random
 import threading
 import time
 
+from blocktrain.node.pipeline.compose import PreparedSwitch
 from blocktrain.node.routing.selection import RebalancePolicy, block_load, choose_rebalance, ready_load
 from blocktrain.node.state_fetch import StateFetcher, state_bytes, transfer_timeout
 
@@ -110,7 +119,7 @@ class Rebalancer:
             self._refused(t, str(e))
             return None
         with self._lock:
-            new_avg = None
+            new_avg = switch = None
             n.moving_to = t
             try:
                 n.discovery.announce(n.announcements()[-1])   # t as joining, now (the refresher repeats it)
@@ -120,12 +129,14 @@ class Rebalancer:
                 if not self._others_ready(m):   # they left while this node downloaded: do not empty m
                     raise MoveRefused(f"block {m} has no other ready holder now: leaving would empty it")
                 new_avg = n.new_averager(trainer)
+                if n.pipeline is not None:   # chain-trained: t's engine, its rpc_train up but refusing until committed
+                    switch = PreparedSwitch(n, trainer)
                 if stop.is_set():
                     raise MoveRefused("the node is stopping")
-                self._switch(m, trainer, new_avg)
+                self._switch(m, trainer, new_avg, switch)
             except Exception as e:
                 reason = str(e) if isinstance(e, MoveRefused) else f"{type(e).__name__}: {e}"
-                self._abandon(t, new_avg, reason)
+                self._abandon(t, new_avg, reason, switch)
                 return None
             try:   # committed: from here on block t is this node's, whatever the DHT says
                 self._reannounce(withdraw_block=m)
@@ -136,7 +147,7 @@ class Rebalancer:
         del self.moves[:-50]
         log.info("rebalancing: now holding block %d (was %d), took %.1f s", t, m, time.monotonic() - t0)
         stop.wait(GRACE_S)
-        self._retire(m)
+        self._retire(m, switch)
         return t
 
     def _confirm_keepers(self, m: int, holders: dict) -> None:
@@ -177,7 +188,8 @@ class Rebalancer:
         n = self.node
         others = [a for a in holders.get(t, []) if a.state == "online" and a.peer_id != n.peer_id]
         trainer = n.new_trainer(t)
-        fresh = trainer.check_loss()
+        # a chain-trained block has no loss alone: it is judged as a late joiner's download is (finite, fits)
+        fresh = trainer.check_loss() if trainer.judges_by_loss else None
         max_up = n.averager.policy.max_loss_increase
         timeout = transfer_timeout(state_bytes(trainer.module))   # a large block over a slow link needs more than 30 s
         while others:
@@ -188,7 +200,7 @@ class Rebalancer:
             why = None
             if got.meta.get("config_hash") != n.cfg.config_hash:
                 why = "its config hash differs from the run's"
-            else:
+            elif fresh is not None:   # fetch() checked it is finite and fits; a block-local one is judged too
                 offered = trainer.check_loss(StateFetcher.build_checked(trainer.objective, t, got.tensors))
                 if not offered < fresh + max_up:   # NaN fails too
                     why = f"its held-out check loss ({offered:.3f}) is worse than a fresh block's ({fresh:.3f})"
@@ -199,8 +211,9 @@ class Rebalancer:
             n._error(f"state of block {t} from {got.peer} refused: {why}")
         raise MoveRefused(f"no holder of block {t} offered an acceptable state")
 
-    def _switch(self, m: int, trainer, new_avg) -> None:
-        """Serve block t and make it this node's block; block m is still served until :meth:`_retire`."""
+    def _switch(self, m: int, trainer, new_avg, switch: PreparedSwitch | None) -> None:
+        """Serve block t and make it this node's block; block m is still served until :meth:`_retire`.
+        A chain-trained node's train loop moves to t's engine last (``switch.commit``)."""
         n = self.node
         n.serve_block(trainer)
         old = n.trainer
@@ -209,6 +222,8 @@ class Rebalancer:
         n.router.local_hops = {trainer.block_index: trainer.hop}
         n.block_index, n.block_since, n.moving_to = trainer.block_index, time.monotonic(), None
         n.downloaded = {"from_move": True}
+        if switch is not None:
+            switch.commit()
 
     def _reannounce(self, withdraw_block: int) -> None:
         """Tombstone this node's record of ``withdraw_block`` and keep refreshing the others."""
@@ -217,8 +232,13 @@ class Rebalancer:
         if not n.stop_event.is_set():   # a stopping node's teardown withdraws everything itself
             n.discovery.start_announcing(n.announcements)
 
-    def _retire(self, m: int) -> None:
+    def _retire(self, m: int, switch: PreparedSwitch | None = None) -> None:
         n = self.node
+        if switch is not None:   # block m's engine and rpc_train service
+            try:
+                switch.retire_old()
+            except Exception as e:
+                n._error(f"stopping the pipeline engine of block {m}: {type(e).__name__}: {e}")
         try:
             n.unserve_block(m)
         except Exception as e:  # the daemon may be going away with the node
@@ -235,12 +255,17 @@ class Rebalancer:
         self.refused.append({"to": t, "at": time.time(), "reason": reason})
         del self.refused[:-50]
 
-    def _abandon(self, t: int, new_avg, reason: str) -> None:
+    def _abandon(self, t: int, new_avg, reason: str, switch: PreparedSwitch | None = None) -> None:
         n = self.node
         n.moving_to = None
         self._refused(t, reason)
         if new_avg is not None:
             new_avg.shutdown()
+        if switch is not None and switch.old is None:   # prepared, never committed
+            try:
+                switch.cancel()
+            except Exception as e:
+                n._error(f"dropping the pipeline engine of block {t}: {type(e).__name__}: {e}")
         if t in n._serving and t != n.block_index:
             n.unserve_block(t)
         try:

@@ -1,53 +1,100 @@
-"""Compose the pipeline engine on a node (its RPC service, its route to the next block) and read its totals."""
+"""Compose the pipeline engine on a node (its RPC service, its route to the next block), replace it when the
+node moves to another block, and read its totals."""
 from __future__ import annotations
 
 import asyncio
 
 from blocktrain.node.pipeline.engine import PipelineEngine
 from blocktrain.node.pipeline.settings import PipelineSettings
+from blocktrain.node.pipeline.stats import PipelineStats
 from blocktrain.node.routing.pipeline_route import NextStage
 from blocktrain.p2p.pipeline_rpc import PipelineClient, PipelineServer, PipelineTraffic
 from blocktrain.p2p.pipeline_wire import PipelineLimits
 
-__all__ = ["start_pipeline", "pipeline_counters"]
+__all__ = ["start_pipeline", "PreparedSwitch", "pipeline_counters"]
 
 
-def start_pipeline(node) -> PipelineEngine:
-    """Build the engine of a started node (trainer, RPC loop, router up), register its ``rpc_train``
-    service, and push their stops on the node's teardown. The node then runs ``engine.run`` as its
-    train loop."""
-    o, cfg, t = node.opts, node.cfg, node.trainer
+def _build(node, trainer, traffic: PipelineTraffic | None = None,
+           stats: PipelineStats | None = None) -> tuple[PipelineEngine, PipelineServer]:
+    """The engine of ``trainer``'s block on a started node (RPC loop, router up) and its RPC server,
+    not yet registered."""
+    o, cfg, b = node.opts, node.cfg, trainer.block_index
     settings = PipelineSettings(inflight=o.pipeline_inflight, accumulate=o.pipeline_accumulate,
                                 codec=o.pipeline_compression, timeout_s=o.pipeline_timeout,
                                 timeout_max_s=o.pipeline_timeout_max,
                                 weight_stash=o.pipeline_weight_stash, flush=o.pipeline_flush,
                                 recompute=o.pipeline_recompute, layer_checkpoint=o.pipeline_layer_checkpoint)
-    limits = PipelineLimits(allowed_blocks={node.block_index}, n_blocks=cfg.n_blocks,
-                            mode=t.objective.chain_training, max_batch=max(64, cfg.batch_size),
-                            max_seq=cfg.seq_len, d_model=t.objective.state_dim(), vocab_size=cfg.vocab_size)
-    traffic = PipelineTraffic()
+    limits = PipelineLimits(allowed_blocks={b}, n_blocks=cfg.n_blocks,
+                            mode=trainer.objective.chain_training, max_batch=max(64, cfg.batch_size),
+                            max_seq=cfg.seq_len, d_model=trainer.objective.state_dim(), vocab_size=cfg.vocab_size)
+    traffic = traffic or PipelineTraffic()
     next_stage = None
-    if node.block_index < cfg.n_blocks - 1:
+    if b < cfg.n_blocks - 1:
         client = PipelineClient(node.p2p, node.run_id, limits, traffic)
 
-        async def holders(b: int, fresh: bool) -> list[str]:   # the DHT read blocks: off the event loop
+        async def holders(nb: int, fresh: bool) -> list[str]:   # the DHT read blocks: off the event loop
             hs = await asyncio.get_running_loop().run_in_executor(None, node.router.holders, fresh)
-            return [a.peer_id for a in hs.get(b, []) if a.state == "online" and a.serving]
+            return [a.peer_id for a in hs.get(nb, []) if a.state == "online" and a.serving]
 
         next_stage = NextStage(client, holders, mode=limits.mode, codec=settings.codec, self_peer=node.peer_id,
                                retries=settings.retries)
-    engine = PipelineEngine(t, n_blocks=cfg.n_blocks, loop=node.loop, next_stage=next_stage, settings=settings,
+    engine = PipelineEngine(trainer, n_blocks=cfg.n_blocks, loop=node.loop, next_stage=next_stage, settings=settings,
                             self_peer=node.peer_id, on_step=node._after_step, idle=node._idle, traffic=traffic,
-                            duty=node.duty)
+                            duty=node.duty, stats=stats)
     if next_stage is not None:
         next_stage.on_event = engine.stats.add
     server = PipelineServer(node.p2p, node.run_id, limits, engine.handle, traffic=traffic,
                             inject_delay_s=o.inject_delay_ms / 1000.0,
                             authorize=node.auth.authorize if node.auth.restricted else None)
-    node.teardown.push("pipeline engine", engine.close, budget=2.0)
+    return engine, server
+
+
+def start_pipeline(node) -> PipelineEngine:
+    """Build the engine of the node's block, register its ``rpc_train`` service, and push the stops of
+    whatever engine and service the node holds at teardown (a move replaces them). The node then runs
+    ``node.pipeline.run`` as its train loop."""
+    engine, server = _build(node, node.trainer)
+    node.pipeline, node.pipeline_server = engine, server
+    node.teardown.push("pipeline engine", lambda: node.pipeline.close(), budget=2.0)
     node.loop.run(server.add_block(node.block_index), timeout=30)
-    node.teardown.push("pipeline rpc", lambda: node.loop.run(server.close(), timeout=2.0), budget=2.5)
+    node.teardown.push("pipeline rpc", lambda: node.loop.run(node.pipeline_server.close(), timeout=2.0), budget=2.5)
     return engine
+
+
+class PreparedSwitch:
+    """A rebalancing move's new engine, already serving its block's ``rpc_train`` (refusing until it
+    runs): :meth:`commit` makes it the node's, :meth:`cancel` drops it. Nothing of the old block
+    changes before ``commit``."""
+
+    def __init__(self, node, trainer):
+        self.node = node
+        self.engine, self.server = _build(node, trainer, traffic=node.pipeline.traffic, stats=node.pipeline.stats)
+        self.old: tuple[PipelineEngine, PipelineServer] | None = None
+        try:
+            node.loop.run(self.server.add_block(trainer.block_index), timeout=30)
+        except BaseException:
+            self.cancel()
+            raise
+
+    def commit(self) -> None:
+        """The node's train loop moves to the new engine (the old one's ``run`` returns); the old engine
+        keeps its service up until :meth:`retire_old` (routers cache holder lists a few seconds)."""
+        n = self.node
+        self.old = (n.pipeline, n.pipeline_server)
+        n.pipeline, n.pipeline_server = self.engine, self.server
+        self.old[0].retire()
+
+    def retire_old(self) -> None:
+        if self.old is None:
+            return
+        engine, server = self.old
+        self.old = None
+        engine.close()
+        self.node.loop.run(server.close(), timeout=5.0)
+
+    def cancel(self) -> None:
+        self.engine.close()
+        self.node.loop.run(self.server.close(), timeout=5.0)
 
 
 def pipeline_counters(engine: PipelineEngine) -> dict[str, float]:

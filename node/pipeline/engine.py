@@ -134,7 +134,7 @@ class PipelineEngine:
     def __init__(self, trainer: BlockTrainer, *, n_blocks: int, loop: LoopThread, next_stage: NextStage | None,
                  settings: PipelineSettings, self_peer: str = "", on_step: Callable[[], None] | None = None,
                  idle: Callable[[], bool] | None = None, traffic: PipelineTraffic | None = None,
-                 duty: DutyCycle | None = None):
+                 duty: DutyCycle | None = None, stats: PipelineStats | None = None):
         self.trainer, self.objective = trainer, trainer.objective
         self.b, self.n_blocks, self.last = trainer.block_index, n_blocks, trainer.block_index == n_blocks - 1
         self.mode = self.objective.chain_training
@@ -144,12 +144,13 @@ class PipelineEngine:
             raise ValueError("a stage before the last needs a route to the next block")
         self.loop, self.next, self.settings, self.self_peer = loop, next_stage, settings, self_peer
         self.on_step, self.idle = on_step or (lambda: None), idle or (lambda: False)
-        self.stats = PipelineStats()
+        self.stats = stats or PipelineStats()   # a move's new engine carries on the node's totals
         self.duty = duty or DutyCycle()   # block 0 paces its micro-batches to the node's --train-duty
         self._owed = 0.0                  # idle seconds the duty cycle asks for before the next micro-batch
         self._owed_lock = threading.Lock()
         self.traffic = traffic or PipelineTraffic()   # bytes: counted by the wire (client and server side)
         self.accepting = False          # set by the node once it is online (after a late join)
+        self.retired = threading.Event()   # the node moved to another block: ``run`` returns
         self.refusal = "this holder is not training yet (still joining)"   # why, while not accepting
         self._held = 0                  # micro-batches this stage holds (loop thread only)
         self._starved = False           # block 0 found no holder of block 1: the driver waits a while
@@ -449,14 +450,16 @@ class PipelineEngine:
             self.stats.activity.change(inflight=-1)
 
     def run(self, stop: threading.Event) -> None:
-        """The node's train loop body: block 0 drives micro-batches; other blocks only serve."""
-        self.accepting = not stop.is_set()
+        """The node's train loop body: block 0 drives micro-batches; other blocks only serve. Returns
+        when ``stop`` is set or the engine is :meth:`retire`\ d (a rebalancing move)."""
+        self.accepting = not stop.is_set() and not self.retired.is_set()
         if self.b != 0:
-            stop.wait()
+            while not stop.is_set() and not self.retired.wait(0.5):
+                pass
             return
         slots = threading.BoundedSemaphore(self.settings.inflight)
         t = self.trainer
-        while not stop.is_set():
+        while not stop.is_set() and not self.retired.is_set():
             if self.idle() or self._starved:
                 self._starved = False
                 stop.wait(0.5 if self.idle() else 1.0)
@@ -531,6 +534,13 @@ class PipelineEngine:
         """The node is stopping: refuse new micro-batches (``busy``: their senders try another holder)."""
         self.refusal = "this holder is leaving"
         self.accepting = False
+
+    def retire(self, why: str = "this holder moved to another block") -> None:
+        """The node moved to another block: refuse new micro-batches (``busy``) and end :meth:`run`;
+        micro-batches already here finish or expire as usual."""
+        self.refusal = why
+        self.accepting = False
+        self.retired.set()
 
     def close(self) -> None:
         self.leave()
