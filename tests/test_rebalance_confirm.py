@@ -146,3 +146,52 @@ def test_a_move_whose_old_block_emptied_during_the_download_is_abandoned_before_
     assert not switched and n.block_index == 1 and n.moving_to is None
     assert "no other ready holder" in r.refused[-1]["reason"]
     assert n.discovery.calls[0] == "announce" and "withdraw" in n.discovery.calls
+
+
+class _States:
+    """The block-state RPC of each peer: (meta, tensors), or an exception."""
+
+    def __init__(self, states: dict):
+        self.states, self.asked = states, []
+
+    def get_block_state_sync(self, peer, b, timeout=None):
+        self.asked.append(peer)
+        return self.states[peer]
+
+
+def test_a_chain_trained_move_judges_the_download_without_a_loss():
+    """A ``pipeline`` block has no loss alone (its trainer cannot judge by one): a move's download is
+    judged as a late joiner's is. Non-finite state (a hostile holder) and another config's state are
+    refused, the next holder asked; an honest state is taken as sent, no check loss computed."""
+    import numpy as np
+    import torch
+
+    from blocktrain.node.state_fetch import StateFetcher
+    from blocktrain.node.trainer import BlockTrainer
+
+    from test_utils.configs import tiny_config
+
+    cfg = tiny_config(objective="pipeline", n_blocks=2)
+    data = np.frombuffer(b"the cat sat on the mat; the dog sat on the log. " * 60, dtype=np.uint8)
+    new = lambda b: BlockTrainer(cfg, b, data, data)   # noqa: E731
+    assert not new(0).judges_by_loss
+    honest = {k: v + 0.01 for k, v in new(0).module.state_dict().items()}
+    nan = {k: torch.full_like(v, float("nan")) for k, v in honest.items()}
+    meta = {"config_hash": cfg.config_hash, "step": 7, "samples_seen": 28}
+    client = _States({"nan": (meta, nan), "other": ({**meta, "config_hash": "x"}, honest), "good": (meta, honest)})
+    r, _ = _rebalancer({})
+    n, errors = r.node, []
+    n.cfg, n.errors, n._error = cfg, errors, errors.append
+    n.averager = SimpleNamespace(policy=SimpleNamespace(max_loss_increase=0.5))
+    n.fetcher = StateFetcher(client, new(0).objective, self_peer="me")
+    n.new_trainer = new
+    rec = lambda p: SimpleNamespace(peer_id=p, block_index=0, state="online", is_live=True, step=0)   # noqa: E731
+    holders = {0: [rec(p) for p in ("nan", "other", "good")]}
+    trainer, got = r._download(0, holders)
+    assert got.peer == "good" and trainer.step == 7
+    assert all(torch.equal(trainer.module.state_dict()[k], v) for k, v in honest.items())
+    assert any("not finite" in e for e in errors) and any("config hash" in e for e in errors), errors
+    # no acceptable offer: the move is refused, nothing adopted
+    n.fetcher = StateFetcher(_States({"nan": (meta, nan)}), new(0).objective, self_peer="me")
+    with pytest.raises(MoveRefused, match="no holder of block 0"):
+        r._download(0, {0: [rec("nan")]})
