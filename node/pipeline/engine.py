@@ -469,7 +469,7 @@ class PipelineEngine:
                 continue
             t0 = time.monotonic()
             while not slots.acquire(timeout=0.5):
-                if stop.is_set():
+                if stop.is_set() or self.retired.is_set():
                     return
             self.stats.waited(time.monotonic() - t0)
             with self._owed_lock:
@@ -507,10 +507,10 @@ class PipelineEngine:
                 break
         t0 = time.monotonic()
         pending = set(futs)
-        while pending and not stop.is_set():
+        while pending and not stop.is_set() and not self.retired.is_set():
             _, pending = concurrent.futures.wait(pending, timeout=0.5)
         self.stats.waited(time.monotonic() - t0)
-        if stop.is_set():
+        if stop.is_set() or self.retired.is_set():
             return
         with t.lock:
             self._step()
