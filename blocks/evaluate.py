@@ -81,13 +81,7 @@ def per_window_chain_ce(objective: Objective, blocks: Sequence[nn.Module], windo
     for m in blocks:
         m.eval()
     dev = next(blocks[0].parameters()).device
-    hops = objective.local_hops(blocks)
-    ces, extras = [], []
-    for i in range(windows.shape[0]):
-        res = objective.score(hops, windows[i:i + 1].to(dev), k=k,
-                              generator=torch.Generator().manual_seed(seed + i))
-        ces.append(res.ce)
-        extras.append(res.extra)
+    ces, extras = objective.score_per_window(objective.local_hops(blocks), windows.to(dev), k=k, seed=seed)
     mean_extra = {}
     for key, value in (extras[0] if extras else {}).items():
         try:

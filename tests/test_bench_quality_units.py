@@ -220,3 +220,26 @@ def test_paired_bootstrap_refuses_unpaired_input():
         paired_bootstrap(np.array([1.0, np.nan]), np.zeros(2))
     with pytest.raises(ValueError):
         paired_bootstrap(np.zeros(10), np.zeros(10), level=1.5)
+
+
+def test_batched_per_window_scoring_equals_the_window_by_window_definition():
+    """paper scores many windows (and their k samples) in one traversal: each window's figure must be
+    the one-window loop's (the base class's definition, window i seeded ``seed + i``), and must not depend
+    on the batch it is scored in."""
+    from blocktrain.blocks.evaluate import per_window_chain_ce
+    from blocktrain.blocks.objectives.base import Objective
+    from blocktrain.blocks.windows import eval_windows
+
+    cfg = tiny_config(n_blocks=3, objective="paper")
+    obj = get_objective(cfg)
+    assert type(obj).score_per_window is not Objective.score_per_window   # paper batches
+    torch.manual_seed(0)
+    blocks = [obj.build_block(b).eval() for b in range(cfg.n_blocks)]
+    windows = eval_windows(resolve_data(str(TEST_CORPUS), None, seq_len=cfg.seq_len).eval, cfg.seq_len, 10)
+    hops = obj.local_hops(blocks)
+    loop, _ = Objective.score_per_window(obj, hops, windows, k=3, seed=5)
+    batched, _ = obj.score_per_window(hops, windows, k=3, seed=5, batch=4)
+    assert batched == pytest.approx(loop, abs=1e-5)
+    assert obj.score_per_window(hops, windows[4:], k=3, seed=9, batch=64)[0] == pytest.approx(batched[4:], abs=1e-5)
+    assert per_window_chain_ce(obj, blocks, windows, k=3, seed=5)[0].tolist() == pytest.approx(loop, abs=1e-5)
+    assert len(set(round(x, 4) for x in loop)) > 1   # the windows differ: the test compares something

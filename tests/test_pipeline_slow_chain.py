@@ -76,7 +76,8 @@ def test_a_stalled_middle_holder_costs_only_the_microbatches_it_was_handed(tmp_p
         b0 = sw.start_join(block=0, name="b0")
         wait_for(lambda: pipe(b1a)["answered"] >= 3 and pipe(b1b)["answered"] >= 3, 150,
                  "both holders of block 1 to carry micro-batches")
-        before, served = pipe(b0), pipe(b1b)["answered"]
+        served = pipe(b1b)["answered"]   # first: what b1b answers from here on counts as the replica's
+        before = pipe(b0)
         os.kill(b1a.proc.pid, signal.SIGSTOP)
         stalled = b1a
         t0 = time.monotonic()
@@ -88,7 +89,9 @@ def test_a_stalled_middle_holder_costs_only_the_microbatches_it_was_handed(tmp_p
         # then it is banned for 15 s, 30 s, ... (collateral strikes), so a few at most
         assert 1 <= lost <= 4, (lost, after["lost_by_reason"], time.monotonic() - t0)
         assert after["lost_by_reason"].get("timeout", 0) - before["lost_by_reason"].get("timeout", 0) == lost
-        assert pipe(b1b)["answered"] - served >= 60
+        # the replica carried them: all but what b1a finished between b0's snapshot and the SIGSTOP (one in
+        # flight at a time, --pipeline-inflight 1; CI 54 saw 58 of 60 with the snapshots the other way round)
+        assert pipe(b1b)["answered"] - served >= 60 - 2
         assert after["budget"]["budget_s"] <= 600.0
         report("pipeline_stall", lost=lost, completed=after["completed"] - before["completed"],
                seconds=round(time.monotonic() - t0, 1), budget_s=after["budget"]["budget_s"])

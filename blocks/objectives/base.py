@@ -84,6 +84,15 @@ class Objective(ABC):
               generator: torch.Generator | None = None) -> ScoreResult:
         """Held-out nats/byte of the composed chain, predicting byte t+1 from bytes <= t."""
 
+    def score_per_window(self, hops: Sequence[Hop], windows: torch.Tensor, k: int = 4,
+                         seed: int = 0) -> tuple[list[float], list[dict]]:
+        """Each window's :meth:`score` alone, window i with its own generator seeded ``seed + i`` (so a
+        window's figure does not depend on what is scored beside it); returns the CEs and the
+        ``extra`` dicts. This loop is the definition; an objective may compute the same in batches."""
+        out = [self.score(hops, windows[i:i + 1], k=k, generator=torch.Generator().manual_seed(seed + i))
+               for i in range(windows.shape[0])]
+        return [r.ce for r in out], [r.extra for r in out]
+
     @abstractmethod
     def block_alone_ce(self, block: nn.Module, b: int, windows: torch.Tensor,
                        generator: torch.Generator | None = None) -> float:
