@@ -54,6 +54,11 @@ def mean_ce(logits: torch.Tensor, y: torch.Tensor) -> float:
     return float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1)))
 
 
+def row_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy in nats of each row's bytes: logits (N, T, V), y (N, T) -> (N,)."""
+    return F.cross_entropy(logits.float().transpose(1, 2), y, reduction="none").mean(1)
+
+
 def mixture_nll(logw: torch.Tensor) -> torch.Tensor:
     """-log (1/K) sum_k exp(logw_k) over the first axis (K draws): the NLL of the K-sample average
     of a predictive distribution, or the importance-weighted bound over K paths (Burda et al.)."""

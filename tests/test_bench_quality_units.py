@@ -222,24 +222,35 @@ def test_paired_bootstrap_refuses_unpaired_input():
         paired_bootstrap(np.zeros(10), np.zeros(10), level=1.5)
 
 
-def test_batched_per_window_scoring_equals_the_window_by_window_definition():
-    """paper scores many windows (and their k samples) in one traversal: each window's figure must be
-    the one-window loop's (the base class's definition, window i seeded ``seed + i``), and must not depend
-    on the batch it is scored in."""
+@pytest.mark.parametrize("objective", ["paper", "forward-chained", "forward-streamed", "forward-residual", "pipeline",
+                                       "pipeline-chunked"])
+def test_batched_per_window_scoring_equals_the_window_by_window_definition(objective):
+    """These objectives score many windows (paper: and their k samples) in one traversal: each window's
+    figure (and extras) must be the one-window loop's (the base class's definition, window i seeded
+    ``seed + i``), and must not depend on the batch it is scored in."""
     from blocktrain.blocks.evaluate import per_window_chain_ce
     from blocktrain.blocks.objectives.base import Objective
     from blocktrain.blocks.windows import eval_windows
 
-    cfg = tiny_config(n_blocks=3, objective="paper")
+    cfg = tiny_config(n_blocks=3, objective=objective, chunk_len=4)
     obj = get_objective(cfg)
-    assert type(obj).score_per_window is not Objective.score_per_window   # paper batches
+    assert type(obj).score_per_window is not Objective.score_per_window   # it batches
     torch.manual_seed(0)
     blocks = [obj.build_block(b).eval() for b in range(cfg.n_blocks)]
+    with torch.no_grad():   # away from init (a zero-initialised head predicts every window alike)
+        for p in (p for m in blocks for p in m.parameters()):
+            p.add_(0.05 * torch.randn_like(p))
+        for m in blocks[1:]:   # forward-residual: later blocks read through block 0's readout (zeros until then)
+            getattr(m, "adopt_readout", lambda first: None)(blocks[0])
     windows = eval_windows(resolve_data(str(TEST_CORPUS), None, seq_len=cfg.seq_len).eval, cfg.seq_len, 10)
     hops = obj.local_hops(blocks)
-    loop, _ = Objective.score_per_window(obj, hops, windows, k=3, seed=5)
-    batched, _ = obj.score_per_window(hops, windows, k=3, seed=5, batch=4)
+    loop, loop_extra = Objective.score_per_window(obj, hops, windows, k=3, seed=5)
+    batched, extra = obj.score_per_window(hops, windows, k=3, seed=5, batch=4)
     assert batched == pytest.approx(loop, abs=1e-5)
+    assert [sorted(e) for e in extra] == [sorted(e) for e in loop_extra]
+    for e, f in zip(extra, loop_extra):
+        for key in e:
+            assert e[key] == pytest.approx(f[key], abs=1e-5)
     assert obj.score_per_window(hops, windows[4:], k=3, seed=9, batch=64)[0] == pytest.approx(batched[4:], abs=1e-5)
     assert per_window_chain_ce(obj, blocks, windows, k=3, seed=5)[0].tolist() == pytest.approx(loop, abs=1e-5)
     assert len(set(round(x, 4) for x in loop)) > 1   # the windows differ: the test compares something

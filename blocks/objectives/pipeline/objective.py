@@ -24,7 +24,7 @@ from torch import nn
 from ...chain import Hop, HopRequest, HopResult, traverse
 from ...device import autocast
 from ...hop import LocalHop
-from ...sampling import generate_chunks, mean_ce, next_byte
+from ...sampling import generate_chunks, mean_ce, next_byte, row_ce
 from ..base import NotBlockLocalError, Objective, ScoreResult
 from .net import PipelineBlock, build_pipeline_block
 
@@ -94,6 +94,16 @@ class PipelineObjective(Objective):
         ctx, y = windows[:, :-1], windows[:, 1:]
         ce = mean_ce(self._last_logits(hops, ctx), y)
         return ScoreResult(ce=ce, ce_k1=ce, k=k, tokens=y.numel(), ce_kind=self.ce_kind)
+
+    @torch.no_grad()
+    def score_per_window(self, hops, windows, k=4, seed=0, batch: int = 64):
+        """:meth:`score` window by window, ``batch`` windows per traversal (the score draws nothing)."""
+        self.check_hops(hops)
+        ces = []
+        for s in range(0, windows.shape[0], batch):
+            w = windows[s:s + batch]
+            ces.extend(row_ce(self._last_logits(hops, w[:, :-1]), w[:, 1:]).tolist())
+        return ces, [{} for _ in ces]
 
     @torch.no_grad()
     def block_alone_ce(self, block, b, windows, generator=None) -> float:
