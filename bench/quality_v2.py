@@ -41,11 +41,25 @@ from blocktrain.blocks.windows import eval_windows
 REFERENCES = {"one-block": "reference_1block", "whole": "reference"}
 STREAMED = "@streamed"
 LR_GRID = (1e-3, 2e-3, 4e-3)
+#: nats/byte: a sweep whose best rate beat the runner-up by less than this chose within one-seed noise
+#: (seed-to-seed spread about 0.016 in BENCHMARKS.md's runs; on the H200, 2026-12-04, four of five arms'
+#: 1/8-budget sweeps were that close, still on the early plateau)
+SWEEP_MIN_MARGIN = 0.02
 MAX_EPOCHS = 5.0
 
 
 class StudyError(ValueError):
     """Arms, budget or study folder that cannot be used; the message says which and why."""
+
+
+def sweep_margins(scores: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Per swept arm: how much better its chosen rate scored on validation than the next best rate (inf
+    with one rate). Under :data:`SWEEP_MIN_MARGIN` the sweep could not tell the rates apart."""
+    out = {}
+    for key, sc in scores.items():
+        ranked = sorted(sc.values())
+        out[key] = round(ranked[1] - ranked[0], 6) if len(ranked) > 1 else float("inf")
+    return out
 
 
 def arm_kind(arm: str) -> str:
@@ -242,7 +256,8 @@ class Study:
         choice = {key: float(min(sc, key=sc.get)) for key, sc in scores.items()}
         return {"grid": list(self.s.lr_grid), "fraction": self.s.sweep_fraction, "seed": seed,
                 "validation": self.validation.description, "validation_protocol": self.validation.protocol,
-                "validation_windows": int(self.val_windows.shape[0]), "scores": scores, "choice": choice}
+                "validation_windows": int(self.val_windows.shape[0]), "scores": scores, "choice": choice,
+                "margin": sweep_margins(scores)}
 
     def run_arms(self, arms: list[str], seeds: list[int], lrs: dict[str, float]) -> list[dict]:
         out = []

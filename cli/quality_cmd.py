@@ -14,7 +14,8 @@ import torch
 from blocktrain.bench.quality import quality_result, quality_run
 from blocktrain.bench.quality_presets import PRESETS, Preset, predict_seconds
 from blocktrain.bench.quality_report import markdown_table, summarize
-from blocktrain.bench.quality_v2 import Settings, Study, StudyError, write_json, arm_kind, check_arms
+from blocktrain.bench.quality_v2 import (SWEEP_MIN_MARGIN, Settings, Study, StudyError, arm_kind, check_arms,
+                                         sweep_margins, write_json)
 from blocktrain.blocks.budget import Budget
 from blocktrain.blocks.data import resolve_data
 from blocktrain.blocks.device import pick_device
@@ -196,11 +197,18 @@ def _choose_lrs(study: Study, arms: list[str], sweep_now: bool, fixed: dict[str,
     elif stored is not None and stored.exists():
         sweep = json.loads(stored.read_text())
     lrs, sources = {}, {}
+    margins = sweep_margins(sweep["scores"]) if sweep else {}   # a stored sweep may predate the field
     for key in dict.fromkeys(arm_kind(a) for a in arms):
         if key in fixed:
             lrs[key], sources[key] = fixed[key], "--lr"
         elif sweep and key in sweep["choice"]:
             lrs[key], sources[key] = sweep["choice"][key], "validation sweep"
+            if margins.get(key, float("inf")) < SWEEP_MIN_MARGIN:
+                sources[key] = f"validation sweep, undecided (margin {margins[key]:.3f})"
+                err_console.print(f"[yellow]lr sweep: {key}'s best rate beat the next by {margins[key]:.3f} nats/byte "
+                                  f"on validation (under {SWEEP_MIN_MARGIN}): the rates were not told apart, so "
+                                  f"{sweep['choice'][key]:g} is close to a guess (a larger --sweep-fraction "
+                                  f"trains further before choosing)[/yellow]")
         else:
             lrs[key], sources[key] = default, "config (not swept)"
     unknown = set(fixed) - set(lrs)

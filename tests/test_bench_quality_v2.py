@@ -50,7 +50,14 @@ def test_tiny_preset_runs_the_whole_protocol(tiny_study):
         scores = sweep["scores"][kind]
         assert len(scores) == 3
         assert sweep["choice"][kind] == float(min(scores, key=scores.get))
-        assert res["lr"][kind] == {"lr": sweep["choice"][kind], "source": "validation sweep"}
+        ranked = sorted(scores.values())
+        assert sweep["margin"][kind] == pytest.approx(ranked[1] - ranked[0], abs=1e-6)
+        # a sweep that could not tell the rates apart says so, on the result and on stderr
+        source = "validation sweep" if sweep["margin"][kind] >= 0.02 else \
+            f"validation sweep, undecided (margin {sweep['margin'][kind]:.3f})"
+        assert res["lr"][kind] == {"lr": sweep["choice"][kind], "source": source}
+        said = f"lr sweep: {kind}'s best rate beat the next by" in " ".join(tiny_study[2].split())   # rich wraps
+        assert said == (sweep["margin"][kind] < 0.02)
     runs = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
     assert len(runs) == 14 and len({r["windows_digest"] for r in runs}) == 1
     budget = float(res["settings"]["budget"].removesuffix("steps")) * runs_of(runs, "paper")[0]["flops_per_round"]
@@ -151,3 +158,34 @@ def test_bad_input_is_one_clear_line():
         assert words in r.output and "Traceback" not in r.output, (args, r.output)
     r = bt("--data", data, "--preset", "tiny", "--arms", "paper,nope")    # and the same from a real process
     assert r.returncode == 1 and "unknown arm" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_sweep_margins_flag_rates_the_sweep_could_not_tell_apart():
+    """The H200 run's 1/8-budget sweep (2026-12-04): whole scored 2.489 / 2.504 / 2.547 on validation (on the
+    early plateau: its best rate won by 0.015, inside one seed's noise), one-block 1.669 / 1.615 / 2.513 (0.054)."""
+    from blocktrain.bench.quality_v2 import SWEEP_MIN_MARGIN, sweep_margins
+
+    m = sweep_margins({"whole": {"0.001": 2.489, "0.002": 2.504, "0.004": 2.547},
+                       "one-block": {"0.001": 1.669, "0.002": 1.615, "0.004": 2.513}, "alone": {"0.002": 3.0}})
+    assert m["whole"] == pytest.approx(0.015) and m["whole"] < SWEEP_MIN_MARGIN
+    assert m["one-block"] == pytest.approx(0.054) and m["one-block"] >= SWEEP_MIN_MARGIN
+    assert m["alone"] == math.inf
+
+
+def test_a_stored_sweep_that_could_not_decide_is_reported(tiny_study, tmp_path):
+    """Resuming a study whose stored sweep scored whole's rates within the margin: the result names the
+    rate's source as undecided and stderr says so; the decided arms are unchanged."""
+    import shutil
+
+    out, _, _ = tiny_study
+    copy = tmp_path / "study"
+    shutil.copytree(out, copy)
+    sweep = json.loads((copy / "lr_sweep.json").read_text())
+    chosen = f"{sweep['choice']['whole']:g}"
+    sweep["scores"]["whole"] = {k: (2.489 if k == chosen else 2.5) for k in sweep["scores"]["whole"]}
+    sweep.pop("margin")   # as a sweep stored before the field was
+    (copy / "lr_sweep.json").write_text(json.dumps(sweep))
+    res, log = run_json("--data", str(TEST_CORPUS), "--preset", "tiny", "--out", str(copy), "--no-lr-sweep", "--json")
+    assert res["lr"]["whole"] == {"lr": sweep["choice"]["whole"], "source": "validation sweep, undecided (margin 0.011)"}
+    assert res["lr"]["paper"]["source"] == "validation sweep"
+    assert "lr sweep: whole's best rate beat the next by 0.011" in " ".join(log.split())
