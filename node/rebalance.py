@@ -261,7 +261,7 @@ class Rebalancer:
         self._refused(t, reason)
         if new_avg is not None:
             new_avg.shutdown()
-        if switch is not None and switch.old is None:   # prepared, never committed
+        if switch is not None and not switch.committed:   # prepared, never committed
             try:
                 switch.cancel()
             except Exception as e:

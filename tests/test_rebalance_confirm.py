@@ -195,3 +195,40 @@ def test_a_chain_trained_move_judges_the_download_without_a_loss():
     n.fetcher = StateFetcher(_States({"nan": (meta, nan)}), new(0).objective, self_peer="me")
     with pytest.raises(MoveRefused, match="no holder of block 0"):
         r._download(0, {0: [rec("nan")]})
+
+
+def test_a_chain_trained_move_that_fails_after_preparing_drops_the_new_engine(monkeypatch):
+    """A chain-trained node prepares its new block's engine (rpc_train up, refusing) before the switch; if the
+    switch then fails, the prepared engine is dropped, never committed, and the node stays on its block."""
+    import blocktrain.node.rebalance as rebalance
+
+    made = []
+
+    class _Switch:
+        def __init__(self, node, trainer):
+            self.committed, self.cancelled = False, False
+            made.append(self)
+
+        def commit(self):
+            self.committed = True
+
+        def cancel(self):
+            self.cancelled = True
+
+    monkeypatch.setattr(rebalance, "PreparedSwitch", _Switch)
+    r, _ = _rebalancer({"a": OK, "b": OK})
+    n = r.node
+    n.discovery = _Holders({1: [Holder(1, "me"), Holder(1, "a"), Holder(1, "b")]})
+    n.announcements = lambda: [Holder(1, "me"), Holder(0, "me", "joining")]
+    n.pipeline = object()   # a chain-trained node
+    n.new_averager = lambda trainer: SimpleNamespace(shutdown=lambda: True)
+    n._serving, n.stop_event, n._error = {}, threading.Event(), lambda msg: None
+
+    def broken(trainer):
+        raise RuntimeError("the daemon refused the handler")
+
+    n.serve_block = broken
+    r._download = lambda t, holders: (SimpleNamespace(step=0, block_index=0), SimpleNamespace(peer="a"))
+    assert r.move(0, _holders(["a", "b"]), threading.Event()) is None
+    assert len(made) == 1 and made[0].cancelled and not made[0].committed
+    assert n.block_index == 1 and n.moving_to is None and "refused the handler" in r.refused[-1]["reason"]

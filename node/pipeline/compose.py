@@ -69,7 +69,8 @@ class PreparedSwitch:
     def __init__(self, node, trainer):
         self.node = node
         self.engine, self.server = _build(node, trainer, traffic=node.pipeline.traffic, stats=node.pipeline.stats)
-        self.old: tuple[PipelineEngine, PipelineServer] | None = None
+        self.old: tuple[PipelineEngine, PipelineServer] | None = None   # the engine and service it replaced
+        self.committed = False
         try:
             node.loop.run(self.server.add_block(trainer.block_index), timeout=30)
         except BaseException:
@@ -82,6 +83,7 @@ class PreparedSwitch:
         n = self.node
         self.old = (n.pipeline, n.pipeline_server)
         n.pipeline, n.pipeline_server = self.engine, self.server
+        self.committed = True
         self.old[0].retire()
 
     def retire_old(self) -> None:
