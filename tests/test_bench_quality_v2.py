@@ -177,10 +177,10 @@ def test_a_stored_sweep_that_could_not_decide_is_reported(tiny_study, tmp_path):
     rate's source as undecided and stderr says so; the decided arms are unchanged."""
     import shutil
 
-    out, _, _ = tiny_study
+    out, res, _ = tiny_study
     copy = tmp_path / "study"
     shutil.copytree(out, copy)
-    sweep = json.loads((copy / "lr_sweep.json").read_text())
+    sweep = json.loads(json.dumps(res["lr_sweep"]))   # the study's own sweep (other tests extend the folder)
     chosen = f"{sweep['choice']['whole']:g}"
     sweep["scores"]["whole"] = {k: (2.489 if k == chosen else 2.5) for k in sweep["scores"]["whole"]}
     sweep.pop("margin")   # as a sweep stored before the field was
