@@ -42,6 +42,21 @@ def _generate_until(client, stop: threading.Event, results: list) -> None:
         stop.wait(1.0)
 
 
+def settled(movers, client) -> tuple[list[int], list[int], dict[int, list[str]]]:
+    """After the moves: each mover's block and number of moves, and the live holders of blocks 0 and 1
+    as the DHT announces them."""
+    blocks = [_status(n)["self"]["block"] for n in movers]
+    moves = [len(_status(n)["self"]["rebalance"]["moves"]) for n in movers]
+    holders = client.holders()
+    return blocks, moves, {b: sorted(a.peer_id for a in holders.get(b, []) if a.is_live) for b in (0, 1)}
+
+
+def assert_one_move_to_two_and_two(blocks, moves, live) -> None:
+    assert sorted(blocks) == [0, 0, 1], blocks
+    assert sum(moves) == 1, moves
+    assert len(live[0]) == 2 and len(live[1]) == 2, live
+
+
 def test_surplus_node_moves_to_needier_block_and_bad_state_is_refused(tmp_path):
     sw = RelSwarm(tmp_path, run_id=RUN, overrides=TINY, data=str(TEST_CORPUS),
                   extra_args=["--device", "cpu", *TTL, *MANUAL_AVG, *QUIET_TRAINING])
@@ -85,19 +100,14 @@ def test_surplus_node_moves_to_needier_block_and_bad_state_is_refused(tmp_path):
 
         # 3. balanced 2/2: nobody moves any more (hysteresis), the announcements say so
         time.sleep(18)      # 3 checks and more
-        blocks = [_status(n)["self"]["block"] for n in movers]
-        moves = [len(_status(n)["self"]["rebalance"]["moves"]) for n in movers]
-        holders = client.holders()
-        live = {b: sorted(a.peer_id for a in holders.get(b, []) if a.is_live) for b in (0, 1)}
+        blocks, moves, live = settled(movers, client)
         gen_stop.set()
         gen.join(timeout=60)
         ok = sum(1 for _, good, _ in results if good)
         report("rebalance_move", move_s=round(took, 1), move_took_s=st["rebalance"]["moves"][-1]["took_s"],
                moves=moves, blocks=blocks, generations=len(results),
                generations_ok=ok, refused=len(got))
-        assert sorted(blocks) == [0, 0, 1], blocks
-        assert sum(moves) == 1, moves
-        assert len(live[0]) == 2 and len(live[1]) == 2, live
+        assert_one_move_to_two_and_two(blocks, moves, live)
         assert results and ok == len(results), [r for r in results if not r[1]][:5]
     finally:
         gen_stop.set()

@@ -17,7 +17,8 @@ import pytest
 
 from blocktrain.node.client import NetworkClient
 
-from test_rebalance_network import MOVERS, PINNED, TTL, _generate_until, _status
+from test_rebalance_network import (MOVERS, PINNED, TTL, _generate_until, _status, assert_one_move_to_two_and_two,
+                                    settled)
 from test_utils.configs import TEST_CORPUS
 from test_utils.reliability import MANUAL_AVG, QUIET_TRAINING, TINY, RelSwarm, report, stop_swarm, wait_for
 
@@ -65,19 +66,14 @@ def test_a_pipeline_node_moves_to_the_needier_block_and_the_chain_trains_through
         # balanced 2/2: nobody moves any more; the announcements say so (one more check period: the rule's
         # hysteresis is the same code as tests/test_rebalance_network.py's, which watches three)
         time.sleep(6)
-        blocks = [_status(n)["self"]["block"] for n in movers]
-        moves = [len(_status(n)["self"]["rebalance"]["moves"]) for n in movers]
-        holders = client.holders()
-        live = {b: sorted(a.peer_id for a in holders.get(b, []) if a.is_live) for b in (0, 1)}
+        blocks, moves, live = settled(movers, client)
         gen_stop.set()
         gen.join(timeout=60)
         ok = sum(1 for _, good, _ in results if good)
         report("rebalance_pipeline_move", move_s=round(took, 1), move_took_s=st["rebalance"]["moves"][-1]["took_s"],
                moves=moves, blocks=blocks, generations=len(results), generations_ok=ok,
                mover_received=_pipe(moved)["received"], mover_steps=_pipe(moved)["steps"])
-        assert sorted(blocks) == [0, 0, 1], blocks
-        assert sum(moves) == 1, moves
-        assert len(live[0]) == 2 and len(live[1]) == 2, live
+        assert_one_move_to_two_and_two(blocks, moves, live)
         assert all(n.alive for n in [*movers, last])
         errors = [e for e in _status(moved)["errors"] if "pipeline" in e or "abandoned" in e]
         assert not errors, errors   # the old engine and its service stopped cleanly
