@@ -180,7 +180,8 @@ class Node:
         while not stop.is_set():
             engine = self.pipeline
             engine.run(stop)
-            while engine is self.pipeline and not stop.is_set():   # retired, its successor not yet committed
+            while engine is self.pipeline and not stop.is_set():   # it returned without a move (its event loop
+                                                                    # is gone: the node is stopping): no spin
                 stop.wait(0.1)
 
     def _stop_averagers(self) -> None:

@@ -535,10 +535,10 @@ class PipelineEngine:
         self.refusal = "this holder is leaving"
         self.accepting = False
 
-    def retire(self, why: str = "this holder moved to another block") -> None:
+    def retire(self) -> None:
         """The node moved to another block: refuse new micro-batches (``busy``) and end :meth:`run`;
         micro-batches already here finish or expire as usual."""
-        self.refusal = why
+        self.refusal = "this holder moved to another block"
         self.accepting = False
         self.retired.set()
 
