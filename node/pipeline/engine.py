@@ -451,7 +451,7 @@ class PipelineEngine:
 
     def run(self, stop: threading.Event) -> None:
         """The node's train loop body: block 0 drives micro-batches; other blocks only serve. Returns
-        when ``stop`` is set or the engine is :meth:`retire`\ d (a rebalancing move)."""
+        when ``stop`` is set or the engine is retired (:meth:`retire`: a rebalancing move)."""
         self.accepting = not stop.is_set() and not self.retired.is_set()
         if self.b != 0:
             while not stop.is_set() and not self.retired.wait(0.5):
