@@ -14,17 +14,11 @@ test holds it open and attacks it:
 - an abandoned move's prepared service is gone from the wire, the node's block untouched."""
 from __future__ import annotations
 
-import threading
-from types import SimpleNamespace
-
-import numpy as np
 import pytest
 import torch
 from hivemind.p2p import P2P
 
-from blocktrain.node.node import Node
-from blocktrain.node.options import NodeOptions
-from blocktrain.node.pipeline.compose import PreparedSwitch, start_pipeline
+from blocktrain.node.pipeline.compose import PreparedSwitch
 from blocktrain.node.trainer import BlockTrainer
 from blocktrain.p2p.aioloop import LoopThread
 from blocktrain.p2p.hops import decode_meta
@@ -32,6 +26,7 @@ from blocktrain.p2p.pipeline_wire import StageRequest, request_message
 from blocktrain.p2p.tensors import encode_tensor
 
 from test_utils.configs import tiny_config
+from test_utils.pipeline_node import PipelineNode
 from test_utils.raw_pipeline import raw_train_call
 from test_utils.reliability import wait_for
 
@@ -70,38 +65,22 @@ def _unchanged(trainer: BlockTrainer, before: dict) -> bool:
 @pytest.fixture()
 def node_and_outsider(tmp_path):
     """A node holding block 2 of a 3-block ``pipeline`` run, its train loop running, and a plain hivemind peer."""
-    cfg = tiny_config(objective="pipeline", n_blocks=3)
-    data = np.frombuffer(b"the cat sat on the mat; the dog sat on the log. " * 60, dtype=np.uint8)
-    loop, p2ps, pushed, stop = LoopThread(name="bt-test-switch"), [], [], threading.Event()
-    loop_thread = None
+    loop, p2ps = LoopThread(name="bt-test-switch"), []
     try:
         node_p2p = loop.run(P2P.create(host_maddrs=LOCAL), timeout=60)
         p2ps.append(node_p2p)
         maddrs = [str(a) for a in loop.run(node_p2p.get_visible_maddrs(), timeout=10)]
         outsider = loop.run(P2P.create(host_maddrs=LOCAL, initial_peers=maddrs), timeout=60)
         p2ps.append(outsider)
-        node = SimpleNamespace(
-            opts=NodeOptions(checkpoint_dir=tmp_path, run_id=RUN), cfg=cfg, run_id=RUN, p2p=node_p2p,
-            peer_id=str(node_p2p.peer_id), loop=loop, router=SimpleNamespace(holders=lambda fresh: {}),
-            auth=SimpleNamespace(restricted=False), duty=None, _after_step=lambda: None, _idle=lambda: False,
-            teardown=SimpleNamespace(push=lambda name, fn, budget=None: pushed.append(fn)),
-            trainer=BlockTrainer(cfg, 2, data, data), block_index=2)
-        start_pipeline(node)
-        loop_thread = threading.Thread(target=Node._run_pipeline, args=(node, stop), daemon=True)
-        loop_thread.start()
-        wait_for(lambda: node.pipeline.accepting, 30, "the node's engine to accept micro-batches")
+        with PipelineNode(node_p2p, loop, tiny_config(objective="pipeline", n_blocks=3), 2, RUN, tmp_path) as pn:
+            node = pn.ns
 
-        def call(block: int, meta: dict, tensors: list) -> dict:
-            ans, _ = loop.run(raw_train_call(outsider, node.peer_id, RUN, block, meta, tensors), timeout=60)
-            return ans
+            def call(block: int, meta: dict, tensors: list) -> dict:
+                ans, _ = loop.run(raw_train_call(outsider, node.peer_id, RUN, block, meta, tensors), timeout=60)
+                return ans
 
-        yield node, call, (lambda b: BlockTrainer(cfg, b, data, data)), stop
+            yield node, call, pn.trainer, pn.stop_event
     finally:
-        stop.set()
-        if loop_thread is not None:
-            loop_thread.join(10)
-        for fn in reversed(pushed):   # the node's teardown: its engine, then its rpc_train service
-            fn()
         for p in reversed(p2ps):
             loop.run(p.shutdown(), timeout=10)
         loop.stop()

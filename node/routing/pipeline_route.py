@@ -49,7 +49,7 @@ import torch
 
 from blocktrain.node.routing.bans import PeerBans
 from blocktrain.node.routing.ranking import HolderRanking
-from blocktrain.p2p.errors import HopRequestError, HopTimeoutError, RemoteHopError
+from blocktrain.p2p.errors import HopRequestError, HopTimeoutError, RemoteHopError, drop_tracebacks
 from blocktrain.p2p.pipeline_rpc import PipelineClient
 from blocktrain.p2p.pipeline_wire import StageRequest, StageResponse
 
@@ -130,8 +130,10 @@ class NextStage:
                     deadline_s=min(600.0, max(0.1, remaining - ANSWER_MARGIN_S)),
                     request_id=f"{rid}-{failures}", origin=origin, window=window), timeout=remaining)
             except HopRequestError as e:      # nothing left this node: our own state is unsendable
+                drop_tracebacks(e)
                 raise DownstreamFailed("unsendable", f"cannot send the state to block {block}: {e}") from None
             except RemoteHopError as e:
+                drop_tracebacks(e)   # handled here: its frames (this micro-batch's tensors) need not wait for the gc
                 last = f"{peer[-8:]}: {e.code}: {e.reason}"[:300]
                 if e.code == "busy":          # alive and full: back off, then draw again (it may be picked again)
                     self.on_event("busy")
@@ -153,6 +155,7 @@ class NextStage:
                         self._forget(block, peer)
                     tried.add(peer)
             except HopTimeoutError as e:
+                drop_tracebacks(e)
                 last = f"{peer[-8:]}: {e}"[:300]
                 out_of_time = True
                 self.on_event("failed_calls")

@@ -1,0 +1,87 @@
+"""A stage whose next block fails every micro-batch lets each one's tensors go as it answers, not at the next
+cycle collection. On Python 3.11 an exception raised through ``asyncio.wait_for`` sits in a reference cycle
+with the waiting frame, and its traceback holds the frames below it with their locals: the micro-batch's
+activations (the engine's ``handle``, the router's ``send``, the wire's ``call``). Before ``drop_tracebacks``
+each failed micro-batch left its tensors to the cycle collector, which may not run for a long while
+(docs/records/s28/failed_downstream_memory.py: 291 tensors, 52.5 MiB, after 252 failures; BENCHMARKS
+"Training along the chain", "Not done": a worker that failed 697 micro-batches peaked at 649 MiB).
+
+Real parts: the node's engine of block 1 and its ``rpc_train`` service and train loop (test_utils/pipeline_node.py),
+two libp2p daemons on 127.0.0.1; the next block's only holder is a plain hivemind peer that answers
+``busy`` to every micro-batch, or serves no ``rpc_train`` at all."""
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from blocktrain.p2p.aioloop import LoopThread
+from blocktrain.p2p.errors import HopRequestError
+from blocktrain.p2p.hops import decode_meta
+from blocktrain.p2p.pipeline_rpc import PipelineServer, PipelineTraffic
+from blocktrain.p2p.pipeline_wire import PipelineLimits, StageRequest, request_message
+
+from test_utils.configs import tiny_config
+from test_utils.pipeline_node import PipelineNode, holder
+from test_utils.raw_pipeline import raw_train_call
+
+pytestmark = [pytest.mark.network, pytest.mark.timeout(180)]
+
+RUN = "failmem"
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+N, T, D = 2, 32, 32
+MICROBATCHES = 8
+
+
+def _message(i: int) -> tuple[dict, list]:
+    g = torch.Generator().manual_seed(i)
+    req = StageRequest(1, torch.randn(N, T, D, generator=g) * 0.1, torch.randint(0, 256, (N, T), generator=g),
+                       "backprop", "fp32", deadline_s=1.5, request_id=f"m{i}")
+    meta, pbs, _, _ = request_message(req)
+    return decode_meta(meta), pbs
+
+
+def _states_alive() -> int:
+    """Tensors of a micro-batch's state shape that exist now, garbage in cycles included (no collection runs)."""
+    return sum(1 for o in gc.get_objects() if torch.is_tensor(o) and tuple(o.shape) == (N, T, D))
+
+
+@pytest.mark.parametrize("next_block", ["busy", "absent"])
+def test_failed_microbatches_leave_no_tensors_to_the_cycle_collector(tmp_path, next_block):
+    cfg = tiny_config(objective="pipeline", n_blocks=3)
+    loop, p2ps = LoopThread(name="bt-test-failmem"), []
+    try:
+        node_p2p = loop.run(P2P.create(host_maddrs=LOCAL), timeout=60)
+        p2ps.append(node_p2p)
+        maddrs = [str(a) for a in loop.run(node_p2p.get_visible_maddrs(), timeout=10)]
+        other = loop.run(P2P.create(host_maddrs=LOCAL, initial_peers=maddrs), timeout=60)
+        p2ps.append(other)
+        if next_block == "busy":
+            async def refuse(req):
+                raise HopRequestError("busy", "always busy")
+            limits = PipelineLimits(allowed_blocks={2}, n_blocks=3, mode="backprop", max_batch=64, max_seq=T,
+                                    d_model=D, vocab_size=cfg.vocab_size)
+            loop.run(PipelineServer(other, RUN, limits, refuse, traffic=PipelineTraffic()).add_block(2), timeout=30)
+        listed = {2: [holder(str(other.peer_id))]}
+        with PipelineNode(node_p2p, loop, cfg, 1, RUN, tmp_path, holders=lambda fresh: listed) as pn:
+            async def all_of_them():
+                return await asyncio.gather(*(raw_train_call(other, pn.ns.peer_id, RUN, 1, *_message(i))
+                                              for i in range(MICROBATCHES)))
+            gc.collect()
+            gc.disable()   # what the test measures is what refcounting frees
+            try:
+                answers = [a for a, _ in loop.run(all_of_them(), timeout=120)]
+                left = _states_alive()
+            finally:
+                gc.enable()
+            assert all(a["ok"] is False and a["code"] in ("timeout", "downstream") for a in answers), answers
+            st = pn.ns.pipeline.stats.snapshot()
+            assert st["received"] == MICROBATCHES and st["failed_downstream"] == MICROBATCHES, st
+            assert left == 0, f"{left} micro-batch states still held after {MICROBATCHES} failed downstream"
+    finally:
+        for p in reversed(p2ps):
+            loop.run(p.shutdown(), timeout=10)
+        loop.stop()
