@@ -41,7 +41,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerError
 from hivemind.proto import runtime_pb2
 
-from blocktrain.p2p.errors import HopRequestError, HopTimeoutError, RemoteHopError, drop_tracebacks
+from blocktrain.p2p.errors import HopRequestError, HopTimeoutError, RemoteHopError
 from blocktrain.p2p.hops import decode_meta
 from blocktrain.p2p.pipeline_wire import (
     PipelineLimits, SentRequest, StageRequest, StageResponse, activation_tensors, decode_request, decode_response,
@@ -121,7 +121,6 @@ class PipelineService(ServicerBase):
         except Exception as e:
             response = self._failure(e, rid, context)
             grad_bytes = 0
-            drop_tracebacks(e)   # answered: its frames (the request's tensors among their locals) go now
         await self._delay()
         self.traffic.add(calls_in=1, gradient_bytes_sent=grad_bytes)
         msgs, n = self._split(response), 0

@@ -26,7 +26,7 @@ import torch
 from hivemind.p2p import P2P, P2PContext, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from blocktrain.p2p.errors import HopRequestError
+from blocktrain.p2p.errors import HopRequestError, drop_tracebacks
 from blocktrain.p2p.hops import (
     WIRE_VERSION, HopLimits, HopRequest, HopResponse, check_hop_headers, check_hop_output, check_hop_values, check_state_header,
     decode_meta, encode_meta, error_response, namespace, parse_request_meta,
@@ -252,11 +252,14 @@ def log_cut(what: str, sent: str, e: BaseException) -> None:
 
 def failure_response(e: Exception, rid: str, what: str) -> runtime_pb2.ExpertResponse:
     """The error answer to a refused or failed call (``what``: "hop from PEER", for the log)."""
-    if isinstance(e, HopRequestError):
-        logger.info("refused %s: %s", what, e)
-        return error_response(e.code, e.reason, rid)
-    logger.exception("unexpected failure serving %s", what)
-    return error_response("internal", f"{type(e).__name__}: {e}", rid)
+    try:
+        if isinstance(e, HopRequestError):
+            logger.info("refused %s: %s", what, e)
+            return error_response(e.code, e.reason, rid)
+        logger.exception("unexpected failure serving %s", what)
+        return error_response("internal", f"{type(e).__name__}: {e}", rid)
+    finally:   # answered (and logged): the failure's frames, the request's tensors among their locals, go now
+        drop_tracebacks(e)
 
 
 def split_response(response: runtime_pb2.ExpertResponse, chunk_bytes: int) -> list[runtime_pb2.ExpertResponse]:

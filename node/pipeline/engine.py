@@ -89,7 +89,7 @@ from blocktrain.node.pipeline.stats import PipelineStats
 from blocktrain.node.routing.pipeline_route import DownstreamFailed, NextStage, StateSource
 from blocktrain.node.trainer import BlockTrainer
 from blocktrain.p2p.aioloop import LoopThread
-from blocktrain.p2p.errors import HopRequestError
+from blocktrain.p2p.errors import HopRequestError, drop_tracebacks
 from blocktrain.p2p.pipeline_rpc import PipelineTraffic
 from blocktrain.p2p.pipeline_wire import StageRequest, StageResponse
 
@@ -440,11 +440,14 @@ class PipelineEngine:
             self.stats.add("completed")
         except DownstreamFailed as e:
             self.stats.lose(e.reason)
-        except FloatingPointError:
+            drop_tracebacks(e)   # counted: its frames (this micro-batch's tensors) go now, not at a gc pass
+        except FloatingPointError as e:
             self.stats.lose("non_finite")
-        except Exception:   # a bug must not pass silently, nor stop the driver
+            drop_tracebacks(e)
+        except Exception as e:   # a bug must not pass silently, nor stop the driver
             log.exception("pipeline micro-batch failed")
             self.stats.lose("error")
+            drop_tracebacks(e)
         finally:
             self._release(work)
             self.stats.activity.change(inflight=-1)

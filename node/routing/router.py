@@ -28,7 +28,7 @@ from blocktrain.blocks.chain import Hop, HopRequest, HopResult
 from blocktrain.node.routing.bans import PeerBans
 from blocktrain.node.routing.hops import start_remote
 from blocktrain.node.routing.ranking import HolderRanking
-from blocktrain.p2p.errors import HopError
+from blocktrain.p2p.errors import HopError, drop_tracebacks
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +164,7 @@ class Router:
                         self.ranking.record_failure(peer, str(e))
                         self.bans.ban(peer, f"block {b}: {e}")
                         next_launch = 0.0   # ask the next holder now
+                        drop_tracebacks(e)   # handled: its frames (the hop's tensors) go now, not at a gc pass
                         continue
                     self.ranking.record_success(peer, time.monotonic() - t0)
                     self.bans.forgive([peer])
