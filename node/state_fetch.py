@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from blocktrain.node.routing.ranking import HolderRanking
+from blocktrain.p2p.errors import drop_tracebacks
 from blocktrain.p2p.records import BlockAnnouncement
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class StateFetcher:
                 if errors is not None:
                     errors.append(f"state of block {b} from {peer}: {type(e).__name__}: {e}")
                     del errors[:-50]
+                drop_tracebacks(e)   # a cut stream's frames hold what it delivered: up to a block, freed now
                 continue
             self.ranking.record_success(peer, time.perf_counter() - t0)
             return Fetched(peer, meta, tensors)

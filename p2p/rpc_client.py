@@ -21,7 +21,7 @@ from hivemind.p2p.p2p_daemon_bindings.control import P2PDaemonError, P2PHandlerE
 from hivemind.proto import runtime_pb2
 
 from blocktrain.p2p.aioloop import LoopThread
-from blocktrain.p2p.errors import HopRequestError, HopTimeoutError, RemoteHopError, StreamTruncatedError
+from blocktrain.p2p.errors import HopRequestError, HopTimeoutError, RemoteHopError, StreamTruncatedError, drop_tracebacks
 from blocktrain.p2p.hops import (
     STATE_DTYPES, WIRE_VERSION, HopRequest, HopResponse, decode_meta, encode_meta, estimate_request_bytes,
     estimate_response_bytes, namespace,
@@ -200,6 +200,7 @@ class HopClient:
                     raise
                 logger.warning("block %d's state from %s arrived truncated (%s); asking again", block_index, peer_id,
                                e.reason)
+                drop_tracebacks(e)   # its frames hold the parts that stream delivered (up to a block's size)
             except RemoteHopError:
                 self.traffic.call(ok=False)
                 raise

@@ -28,3 +28,48 @@ def test_an_averager_download_that_runs_out_of_time_is_no_answer():
     h = BlockAveragerHandle.__new__(BlockAveragerHandle)   # no process: only download_state's own handling
     h.averager = SimpleNamespace(load_state_from_peers=times_out)
     assert h.download_state(timeout=0.1) is None
+
+
+def test_a_cut_downloads_parts_are_freed_when_the_next_holder_is_asked():
+    """A state stream cut mid-way raises through ``asyncio.wait_for``, whose reference cycle keeps the frames
+    of the download, with the parts it delivered (up to a block's size), until the cycle collector runs.
+    The fetcher lets them go as it moves on to the next holder (``drop_tracebacks``; tests/test_failure_memory.py
+    measures the same cycle on real daemons)."""
+    import gc
+
+    import torch
+
+    from blocktrain.node.state_fetch import StateFetcher
+    from blocktrain.p2p.errors import StreamTruncatedError
+
+    shape = (7, 11, 13)   # the parts delivered: a shape no other tensor here has
+
+    class Client:
+        def get_block_state_sync(self, peer, b, timeout=None):
+            if peer == "cut":
+                delivered = torch.zeros(shape)   # noqa: F841 (a local of the frame the cycle keeps)
+                try:
+                    raise StreamTruncatedError(peer, "the stream ended after 3 of 4 parts")
+                except StreamTruncatedError as e:
+                    err = e   # as wait_for's frame holds its future's exception: frame -> err -> traceback -> frame
+                raise err
+            return {"step": 3}, {"w": torch.ones(2)}
+
+    class Objective:
+        def build_block(self, b):
+            return torch.nn.Module()
+
+    alive = lambda: sum(1 for o in gc.get_objects() if torch.is_tensor(o) and tuple(o.shape) == shape)  # noqa: E731
+    fetcher = StateFetcher(Client(), Objective(), self_peer="me")
+    fetcher.build_checked = lambda objective, b, tensors: None   # the check is not what this test is about
+    holders = [SimpleNamespace(peer_id=p, state="online", is_live=True, step=0) for p in ("cut", "good")]
+    gc.collect()
+    gc.disable()
+    try:
+        errors: list[str] = []
+        got = fetcher.fetch(0, holders, errors=errors)
+        left = alive()
+    finally:
+        gc.enable()
+    assert got is not None and got.peer == "good" and "ended after 3 of 4 parts" in errors[0], errors
+    assert left == 0, "the cut stream's delivered parts are still held"
