@@ -91,8 +91,11 @@ def drop_tracebacks(e: BaseException | None) -> None:
     -> the exception -> its traceback -> that frame), and the cycle holds every frame of the traceback,
     with their locals, until the cycle collector runs. For a stage that fails micro-batches downstream those
     locals are the micro-batches' activations: without this they pile up between collections (docs/records/s28)."""
-    seen: set[int] = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        e.__traceback__ = None
-        e = e.__cause__ if e.__cause__ is not None else e.__context__
+    todo, seen = [e], set()
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        x.__traceback__ = None
+        todo += [x.__cause__, x.__context__]
