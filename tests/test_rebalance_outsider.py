@@ -14,6 +14,8 @@ test holds it open and attacks it:
 - an abandoned move's prepared service is gone from the wire, the node's block untouched."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from hivemind.p2p import P2P
@@ -60,6 +62,21 @@ def _unchanged(trainer: BlockTrainer, before: dict) -> bool:
     now = trainer.module.state_dict()
     return all(torch.equal(now[k], v) for k, v in before.items()) and \
         all(p.grad is None or not p.grad.any() for p in trainer.module.parameters())
+
+
+def _gone(call, block: int, within_s: float = 15.0) -> None:
+    """The service of ``block`` is gone from the wire: a call fails (no handler). Removing a handler is not
+    instant in the daemon (CI 60 saw one more answer on a loaded machine): until then every answer must be a
+    refusal, never a trained micro-batch."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            ans = call(block, *_message(block, "after"))
+        except Exception:
+            return
+        assert ans is None or (ans["ok"] is False and ans["code"] == "busy"), ans
+        assert time.monotonic() < deadline, f"block {block}'s service still answers {within_s:.0f} s after it stopped"
+        time.sleep(0.2)
 
 
 @pytest.fixture()
@@ -121,8 +138,7 @@ def test_an_outsider_cannot_train_a_prepared_block_and_the_old_one_refuses_once_
         assert st["received"] == s0["received"] + 2 and st["answered"] == s0["answered"] + 1, (s0, st)
     finally:
         switch.retire_old()
-    with pytest.raises(Exception):             # the old block's service is gone from the wire
-        call(2, *_message(2, "gone"))
+    _gone(call, 2)                             # the old block's service is gone from the wire
     assert node.pipeline is engine and not stop.is_set()
 
 
@@ -132,7 +148,6 @@ def test_an_abandoned_move_leaves_no_service_and_the_node_keeps_its_block(node_a
     switch = PreparedSwitch(node, new_trainer(1))
     assert call(1, *_message(1, "early"))["code"] == "busy"
     switch.cancel()                            # what _abandon does with a prepared switch
-    with pytest.raises(Exception):
-        call(1, *_message(1, "late"))
+    _gone(call, 1)
     assert node.pipeline is old and not switch.committed
     assert call(2, *_message(2, "still"))["ok"] is True
