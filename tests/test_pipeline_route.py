@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 import weakref
 
 import pytest
@@ -189,3 +190,64 @@ def test_running_out_of_time_is_a_timeout_and_a_slow_only_holder_is_not_banned()
         send()
     assert callee.calls.count("QmB") == 1 and ns.bans.is_banned("QmB") and not ns.bans.is_banned("QmC")
     assert callee.calls[-10:] == ["QmC"] * 10
+
+
+class _Stalls(_Callee):
+    """Takes the micro-batch and never answers, for the peers in ``stall`` (a stalling Sybil): the call
+    lasts its whole ``timeout``. Records (peer, timeout, the callee's deadline) per call."""
+
+    def __init__(self, stall=()):
+        super().__init__()
+        self.stall, self.limits = set(stall), []
+
+    async def call(self, peer, req, timeout):
+        self.calls.append(peer)
+        self.limits.append((peer, timeout, req.deadline_s))
+        if peer in self.stall:
+            await asyncio.sleep(timeout)
+            raise HopTimeoutError(f"peer {peer} did not answer within {timeout:.1f}s")
+        return StageResponse(req.request_id, None, 1.0, {}, [peer])
+
+
+def test_a_holder_not_proven_yet_gets_a_probe_limit_once_another_holder_has_answered():
+    from blocktrain.node.routing.pipeline_route import PROBE_FACTOR, PROBE_MIN_S
+
+    async def holders(block, fresh):
+        return ["QmS", "QmC"]
+    ns = NextStage(_Callee(), holders, mode="backprop", codec="fp32", self_peer="QmA")
+    pool = ["QmS", "QmC"]
+    assert ns._call_timeout("QmS", pool, 60.0) == 60.0      # nobody has answered yet: all the time
+    ns.ranking.record_success("QmC", 0.05)
+    assert ns._call_timeout("QmC", pool, 60.0) == 60.0      # the proven holder: all the time
+    assert ns._call_timeout("QmS", pool, 60.0) == PROBE_MIN_S           # a stranger: a probe's limit
+    ns.ranking.record_success("QmC", 0.9)                    # EWMA latency 0.05 -> 0.305 s
+    assert ns._call_timeout("QmS", pool, 60.0) == pytest.approx(PROBE_FACTOR * 0.305)
+    assert ns._call_timeout("QmS", pool, 1.0) == 1.0        # never more than the time left
+    for _ in range(3):                                       # a proven holder failing lately is a stranger again
+        ns.ranking.record_failure("QmC")
+    assert ns.ranking.known("QmC").success_rate < 0.5
+    assert ns._call_timeout("QmS", pool, 60.0) == 60.0 and ns._call_timeout("QmC", pool, 60.0) == 60.0
+
+
+def test_a_stalling_holder_costs_a_micro_batch_a_probe_limit_not_its_budget():
+    """A holder that takes micro-batches and never answers, drawn first: the micro-batch moves on to the
+    proven holder after PROBE_MIN_S, with that limit also told to the staller as its deadline, instead of
+    spending its whole 30-s budget there (before: 3 stalling Sybils among 30 stopped a 2-block chain for
+    ~50 s of each minute; docs/records/s28/pipeline_sybils.py)."""
+    from blocktrain.node.routing.pipeline_route import ANSWER_MARGIN_S, PROBE_MIN_S
+    x, y = torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long)
+
+    async def holders(block, fresh):
+        return ["QmS", "QmC"]
+    callee = _Stalls(stall=["QmS"])
+    ns = NextStage(callee, holders, mode="backprop", codec="fp32", self_peer="QmA", retries=2)
+    ns.ranking.record_success("QmC", 0.05)
+    ns.ranking.pick = lambda cands: "QmS" if "QmS" in cands else cands[0]    # the staller is drawn first
+    t0 = time.monotonic()
+    resp = asyncio.run(ns.send(1, x, y, 30.0))
+    took = time.monotonic() - t0
+    assert resp.route == ["QmC"] and callee.calls == ["QmS", "QmC"]
+    assert callee.limits[0] == ("QmS", PROBE_MIN_S, pytest.approx(PROBE_MIN_S - ANSWER_MARGIN_S))
+    assert callee.limits[1][1] > 25.0                  # the proven holder had the rest of the budget
+    assert took < 10.0, took                           # (2 s measured; the budget is 30 s)
+    assert ns.bans.is_banned("QmS") and not ns.bans.is_banned("QmC")   # set aside for a while

@@ -48,7 +48,7 @@ from typing import Awaitable, Callable
 import torch
 
 from blocktrain.node.routing.bans import PeerBans
-from blocktrain.node.routing.ranking import HolderRanking
+from blocktrain.node.routing.ranking import HolderRanking, PeerRecord
 from blocktrain.p2p.errors import HopRequestError, HopTimeoutError, RemoteHopError, drop_tracebacks
 from blocktrain.p2p.pipeline_rpc import PipelineClient
 from blocktrain.p2p.pipeline_wire import StageRequest, StageResponse
@@ -58,6 +58,8 @@ StateSource = Callable[[], Awaitable[torch.Tensor]]   # the state to send, made 
 MIN_CALL_S = 0.3          # no call is started with less time than this left
 RECENT_S = 30.0           # a holder that answered this recently stays a candidate without a DHT record
 ANSWER_MARGIN_S = 0.2     # what a callee is told it has: our remaining time less this (the answer's trip)
+PROBE_FACTOR = 8.0        # a holder not proven yet may take this many times a proven one's measured latency,
+PROBE_MIN_S = 2.0         # and at least this: see NextStage._call_timeout
 
 
 class DownstreamFailed(RuntimeError):
@@ -88,6 +90,23 @@ class NextStage:
 
     def _forget(self, block: int, peer: str) -> None:
         self._recent.get(block, {}).pop(peer, None)
+
+    def _call_timeout(self, peer: str, pool: list[str], remaining: float) -> float:
+        """How long a call to ``peer`` may take: all the time left, unless ``peer`` has not proven itself (no
+        answer yet, or failing lately) while another holder of the block has; then ``PROBE_FACTOR`` times that
+        holder's measured latency, at least ``PROBE_MIN_S``. A holder that takes micro-batches and never answers
+        (a stalling Sybil) so costs a micro-batch a few seconds, which it then spends on another holder, instead
+        of its whole budget (before: 3 stalling Sybils among 30 announced holders stopped a 2-block chain for
+        ~50 s of every minute; docs/records/s28/pipeline_sybils.py). An honest holder slower than that is
+        struck off for a while (a collateral ban) and tried again later."""
+        def proven(p: str) -> PeerRecord | None:
+            r = self.ranking.known(p)
+            return r if r is not None and r.successes > 0 and r.latency_s is not None and r.success_rate >= 0.5 \
+                else None
+        if proven(peer) is not None:
+            return remaining
+        latencies = [r.latency_s for p in pool if p != peer and (r := proven(p)) is not None]
+        return remaining if not latencies else min(remaining, max(PROBE_MIN_S, PROBE_FACTOR * min(latencies)))
 
     async def any_holder(self, block: int) -> bool:
         """Is any holder of ``block`` announced (and not banned)? Read from the DHT at most every few seconds."""
@@ -124,11 +143,12 @@ class NextStage:
             if remaining < MIN_CALL_S:
                 raise DownstreamFailed("timeout", f"no time left to reach block {block} ({last})")
             t0 = time.monotonic()
+            allowed = self._call_timeout(peer, pool, remaining)
             try:   # the request is built inline: once the wire has encoded it, nothing here holds the state
                 resp = await self.client.call(peer, StageRequest(
                     block, slot.pop(), targets, self.mode, self.codec,
-                    deadline_s=min(600.0, max(0.1, remaining - ANSWER_MARGIN_S)),
-                    request_id=f"{rid}-{failures}", origin=origin, window=window), timeout=remaining)
+                    deadline_s=min(600.0, max(0.1, allowed - ANSWER_MARGIN_S)),
+                    request_id=f"{rid}-{failures}", origin=origin, window=window), timeout=allowed)
             except HopRequestError as e:      # nothing left this node: our own state is unsendable
                 drop_tracebacks(e)
                 raise DownstreamFailed("unsendable", f"cannot send the state to block {block}: {e}") from None
@@ -157,7 +177,7 @@ class NextStage:
             except HopTimeoutError as e:
                 drop_tracebacks(e)
                 last = f"{peer[-8:]}: {e}"[:300]
-                out_of_time = True
+                out_of_time = allowed >= remaining   # a probe's shorter limit is not a want of the micro-batch's time
                 self.on_event("failed_calls")
                 self.ranking.record_failure(peer, "no answer in time")
                 # the blame may be shared (a stage further down, a DHT read that ate the time, a machine

@@ -11,7 +11,9 @@ answers one JSON line per command on stdin:
 * ``fake_runs``: write entries under the old run-index key and a manifest for a fake run;
 * ``sybils``: N fresh RSA identities announce themselves as holders of one block (valid
   signatures, claimed throughput 10^6 samples/s); ``stall`` of them run a real p2p daemon that
-  accepts the block's hop streams and never answers, the rest list an address nobody answers on;
+  accepts the block's hop streams (or, ``stall_kind="train"``, its pipeline micro-batches) and never
+  answers, the rest list an address nobody answers on;
+* ``taken``: how many requests the stalling daemons have taken (and held) so far;
 * ``quit``.
 """
 from __future__ import annotations
@@ -73,25 +75,49 @@ class ManyKeysSigner(RecordValidatorBase):
         return False
 
 
+_TAKEN = [0]   # per staller process: requests taken and held
+
+
+async def _taken(_dht, node) -> int:   # runs in a staller's DHT process
+    return _TAKEN[0]
+
+
 class BlockService(ServicerBase):
     """Named like the holders' servicer, so hivemind routes the block's hop streams here; never answers."""
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        _TAKEN[0] += 1
         await asyncio.sleep(3600)
         return runtime_pb2.ExpertResponse()
 
     async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                  ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        _TAKEN[0] += 1
         await asyncio.sleep(3600)
         yield runtime_pb2.ExpertResponse()
+
+
+class PipelineService(ServicerBase):
+    """Named like the holders' pipeline servicer, so hivemind routes the block's micro-batches here; never answers."""
+
+    async def rpc_train(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+                        ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        async for _ in requests:   # takes the micro-batch, then holds it
+            pass
+        _TAKEN[0] += 1
+        await asyncio.sleep(3600)
+        yield runtime_pb2.ExpertResponse()
+
+
+STALLERS = {"hop": (BlockService, "bt_{run}_b{block}"), "train": (PipelineService, "bt_{run}_t{block}")}
 
 
 async def _add_signer(_dht, node, signer: ManyKeysSigner) -> None:   # runs in the DHT's process
     node.protocol.record_validator.extend([signer])
 
 
-async def _serve_stalling(_dht, node, namespace: str) -> None:   # runs in the staller's DHT process
-    await BlockService().add_p2p_handlers(node.p2p, namespace=namespace)
+async def _serve_stalling(_dht, node, namespace: str, kind: str = "hop") -> None:   # in the staller's DHT process
+    await STALLERS[kind][0]().add_p2p_handlers(node.p2p, namespace=namespace)
 
 
 def reply(obj) -> None:
@@ -137,7 +163,9 @@ class Outsider:
         m = self.forge_manifest(fake_run, "wikitext-2", config_hash="0123456789abcdef")
         return {"index": bool(index), "manifest": m}
 
-    def sybils(self, run_id: str, block: int, config_hash: str, n: int, stall: int = 0) -> dict:
+    def sybils(self, run_id: str, block: int, config_hash: str, n: int, stall: int = 0, stall_kind: str = "hop") -> dict:
+        """``n`` holder records of ``block`` under fresh keys; the first ``stall`` of them real daemons whose handler
+        (hop: ``stall_kind="hop"``; micro-batches: ``"train"``) takes a request and never answers."""
         keys = [RSAPrivateKey() for _ in range(n)]
         # the DHT runs in its own process: hand it signers holding the new keys, a few keys per
         # message (hivemind's pipe to its DHT process fails on messages larger than the pipe buffer)
@@ -152,7 +180,8 @@ class Outsider:
             d = DHT(initial_peers=[self.initial_peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                     identity_path=path, check_if_identity_free=False, client_mode=False)
             self.stallers.append(d)
-            d.run_coroutine(partial(_serve_stalling, namespace=f"bt_{run_id}_b{block}"))
+            d.run_coroutine(partial(_serve_stalling, kind=stall_kind,
+                                    namespace=STALLERS[stall_kind][1].format(run=run_id, block=block)))
             stall_addrs[peer_id_of(k)] = [str(m) for m in d.get_visible_maddrs()]
         records = []
         for k in keys:
@@ -181,6 +210,9 @@ class Outsider:
         done.wait(300)
         return {"stored": first_round.get("stored", 0), "peer_ids": [v["peer_id"] for _, v in records],
                 "stalling": list(stall_addrs)}
+
+    def taken(self) -> int:
+        return sum(d.run_coroutine(_taken) for d in self.stallers)
 
     def close(self) -> None:
         self._stop.set()
