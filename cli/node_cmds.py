@@ -57,7 +57,8 @@ def node_options(fn):
         click.option("--train-duty", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True,
                      envvar="BT_TRAIN_DUTY", show_envvar=True,
                      help="Share of wall time this node's own training may keep busy (0.25: a step, then three "
-                          "times as long idle; a pipeline block 0 paces its micro-batches alike). Serving, "
+                          "times as long idle; a pipeline block 0 paces its micro-batches alike, by their compute on "
+                          "this node, not their round trip). Serving, "
                           "averaging and other blocks' pipeline requests are not throttled."),
         click.option("--averaging-compression", type=click.Choice(["fp32", "fp16", "8bit"]), default="fp32",
                      show_default=True, help="What averaging rounds send: fp32 weights, fp16 (half the "

@@ -50,9 +50,9 @@ class Loop:
 
 class DutyCycle:
     """Work at most ``fraction`` of wall time: after work that kept this loop busy ``busy_s`` seconds,
-    :meth:`pause` is the idle time that brings busy / (busy + idle) down to ``fraction``. With ``parallel``
-    units of work overlapping (micro-batches in flight), each unit's share of the pause is 1/parallel.
-    ``fraction`` 1 never pauses."""
+    :meth:`pause` is the idle time that brings busy / (busy + idle) down to ``fraction``. ``fraction`` 1 never
+    pauses. (A pipeline block 0 charges each micro-batch's compute on the node, not its round trip:
+    ``node/pipeline/engine.py``.)"""
 
     def __init__(self, fraction: float = 1.0):
         if not 0.0 < fraction <= 1.0:
@@ -60,10 +60,10 @@ class DutyCycle:
         self.fraction = fraction
         self.paused_s = 0.0        # total idle time this cycle asked for (reported in status)
 
-    def pause(self, busy_s: float, parallel: int = 1) -> float:
+    def pause(self, busy_s: float) -> float:
         if self.fraction >= 1.0 or busy_s <= 0.0:
             return 0.0
-        p = busy_s * (1.0 - self.fraction) / self.fraction / max(1, parallel)
+        p = busy_s * (1.0 - self.fraction) / self.fraction
         self.paused_s += p
         return p
 

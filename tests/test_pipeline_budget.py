@@ -151,3 +151,38 @@ def test_a_stage_does_not_run_a_forward_whose_caller_has_given_up():
         assert e.stats.snapshot()["expired_in_queue"] == 1
     finally:
         e.close()
+
+
+def test_block0s_duty_cycle_charges_its_compute_not_the_wait_on_the_chain_below():
+    """--train-duty paces block 0 by the compute each micro-batch took on the node (forward, backward, step),
+    not by its round trip: a chain that takes 1 s to answer, or a holder that stalls until the budget runs
+    out, kept the node idle (before, the pause was (1 - f) / f times the round trip: a 60-s stall at
+    --train-duty 0.1 idled block 0 for 9 minutes after it)."""
+    import concurrent.futures
+    import threading
+
+    from blocktrain.node.loops import DutyCycle
+    cfg = tiny_config(objective="pipeline", n_blocks=3, batch_size=2)
+    route = _SlowChain(1.0, None)                   # answers in 1 s
+    e, t = _engine(0, PipelineSettings(timeout_s=2.0, timeout_max_s=2.0), route)
+    route.shape = (2, cfg.seq_len, t.objective.state_dim())
+    e.duty = DutyCycle(0.25)
+    windows = torch.randint(0, 256, (2, cfg.seq_len + 1))
+    try:
+        t0 = time.monotonic()
+        busy = asyncio.run(e._microbatch(windows))
+        wall = time.monotonic() - t0
+        assert t.step == 1 and wall >= 1.0 and 0.0 < busy < 0.5, (wall, busy)   # forward + backward + step
+        fut = concurrent.futures.Future()
+        fut.set_result(busy)
+        slots = threading.BoundedSemaphore(1)
+        slots.acquire()
+        e._done(slots, t0, fut)
+        assert e._owed == pytest.approx(3 * busy)   # 3x its compute, not 3x its 1-s round trip
+        route.rtt = 30.0                            # the holder below stalls: lost when the 2-s budget runs out
+        t0 = time.monotonic()
+        busy = asyncio.run(e._microbatch(windows))
+        assert time.monotonic() - t0 >= 2.0 and 0.0 < busy < 0.5 and t.step == 1
+        assert e.stats.snapshot()["lost_by_reason"] == {"timeout": 1}
+    finally:
+        e.close()

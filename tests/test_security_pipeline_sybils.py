@@ -22,7 +22,7 @@ import pytest
 from blocktrain.node.swarm.launcher import LocalSwarm
 
 from test_utils.configs import TEST_CORPUS
-from test_utils.reliability import MANUAL_AVG, report, wait_for
+from test_utils.reliability import MANUAL_AVG, QUIET_TRAINING, report, wait_for
 from test_utils.wire_procs import NodeProc, stop_all
 
 pytestmark = [pytest.mark.network, pytest.mark.reliability, pytest.mark.slow]
@@ -35,7 +35,7 @@ PIPE = ["objective=pipeline", "n_blocks=2", "d_model=32", "n_heads=2", "layers_p
 
 def test_stalling_sybil_holders_do_not_stop_pipeline_training(tmp_path):
     sw = LocalSwarm(tmp_path, run_id=RUN, overrides=PIPE, data=str(TEST_CORPUS),
-                    extra_args=["--device", "cpu", *MANUAL_AVG, "--no-rebalance"])
+                    extra_args=["--device", "cpu", *MANUAL_AVG, *QUIET_TRAINING, "--no-rebalance"])
     out = None
     try:
         b1 = sw.start_seed(block=1)

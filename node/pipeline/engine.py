@@ -69,6 +69,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import copy
 import logging
 import threading
@@ -94,6 +95,7 @@ from blocktrain.p2p.pipeline_rpc import PipelineTraffic
 from blocktrain.p2p.pipeline_wire import StageRequest, StageResponse
 
 log = logging.getLogger(__name__)
+_COMPUTED: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("bt_pipeline_computed", default=None)
 STAGE_MARGIN_S = 0.5      # a stage keeps this much of its caller's deadline for its own backward and answer
 MAX_DEFERRED = 2          # window changes in a row a stage may skip its step at (graphs still open) before it steps
 
@@ -169,11 +171,18 @@ class PipelineEngine:
     # -- compute (one thread, under the trainer's lock) ---------------------------------------------
     async def _in_compute(self, fn, *args, expires: float | None = None):
         """Run ``fn(*args)`` on the compute thread. ``expires`` (monotonic): if the call is still queued
-        then, it is not run (:class:`_Expired`): its caller has given up on it."""
-        return await asyncio.get_running_loop().run_in_executor(self._compute, self._timed, fn, args,
-                                                                time.monotonic(), expires)
+        then, it is not run (:class:`_Expired`): its caller has given up on it. The seconds it ran are added
+        to the calling task's :data:`_COMPUTED` tally, if it keeps one (block 0's micro-batches, for the duty cycle)."""
+        spent = [0.0]
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._compute, self._timed, fn, args,
+                                                                    time.monotonic(), expires, spent)
+        finally:
+            tally = _COMPUTED.get()
+            if tally is not None:
+                tally[0] += spent[0]
 
-    def _timed(self, fn, args, queued: float, expires: float | None = None):
+    def _timed(self, fn, args, queued: float, expires: float | None = None, spent: list[float] | None = None):
         t0 = time.monotonic()
         self.stats.timed("compute_queue", t0 - queued)
         if expires is not None and t0 >= expires:
@@ -185,7 +194,10 @@ class PipelineEngine:
         finally:
             self.stats.activity.change(computing=-1)
             kind = "forward" if fn in (self._forward, self._forward_again) else "backward"
-            self.stats.timed(kind, time.monotonic() - t0)
+            took = time.monotonic() - t0
+            self.stats.timed(kind, took)
+            if spent is not None:
+                spent[0] = took
 
     def _forward(self, h_in: torch.Tensor | None, context: torch.Tensor | None, targets: torch.Tensor,
                  window: tuple[str, int] | None = None) -> _Work:
@@ -414,7 +426,16 @@ class PipelineEngine:
         return resp
 
     # -- a block-0 holder: read data, keep micro-batches in flight ------------------------------------
-    async def _microbatch(self, windows: torch.Tensor, window: int | None = None) -> None:
+    async def _microbatch(self, windows: torch.Tensor, window: int | None = None) -> float:
+        """One micro-batch from block 0, to its end (any outcome, counted). Returns the seconds this node's
+        compute thread spent on it (its forward, a retry's recompute, its backward and step): what the duty
+        cycle charges, not the time it waited on the chain below."""
+        tally = [0.0]
+        _COMPUTED.set(tally)     # this task's own context (each micro-batch is a task of its own)
+        await self._drive(windows, window)
+        return tally[0]
+
+    async def _drive(self, windows: torch.Tensor, window: int | None) -> None:
         if not self.last and not await self.next.any_holder(self.b + 1):
             self._starved = True     # nobody to send to yet: nothing computed, nothing lost
             return
@@ -487,11 +508,18 @@ class PipelineEngine:
             except RuntimeError:   # the event loop is gone: the node is stopping
                 slots.release()
                 return
-            fut.add_done_callback(lambda _f, started=started: self._done(slots, started))
+            fut.add_done_callback(lambda f, started=started: self._done(slots, started, f))
 
-    def _done(self, slots: threading.BoundedSemaphore, started: float) -> None:
-        """A micro-batch ended (any outcome): owe its share of the duty cycle's pause, free its slot."""
-        pause = self.duty.pause(time.monotonic() - started, self.settings.inflight)
+    def _done(self, slots: threading.BoundedSemaphore, started: float, fut: concurrent.futures.Future) -> None:
+        """A micro-batch ended (any outcome): owe the duty cycle's pause for the compute it took here (its
+        wall time if it did not say), free its slot. The time it waited on the chain below is not charged: a
+        chain that is slow, or a holder that stalls until the budget runs out, kept this node idle, not busy
+        (charged, a 60-s stall at --train-duty 0.1 idled block 0 for 9 minutes after it)."""
+        try:
+            busy = fut.result() if not fut.cancelled() else None
+        except BaseException:
+            busy = None
+        pause = self.duty.pause(time.monotonic() - started if busy is None else busy)
         with self._owed_lock:
             self._owed += pause
         slots.release()
@@ -515,9 +543,12 @@ class PipelineEngine:
         self.stats.waited(time.monotonic() - t0)
         if stop.is_set() or self.retired.is_set():
             return
+        t1 = time.monotonic()
         with t.lock:
             self._step()
-        pause = self.duty.pause(time.monotonic() - t0)
+        busy = time.monotonic() - t1 + sum(f.result() for f in futs if f.done() and not f.cancelled()
+                                            and f.exception() is None)
+        pause = self.duty.pause(busy)   # this node's compute in the window, as for one micro-batch (_done)
         if pause:
             stop.wait(pause)
 
