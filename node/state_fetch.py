@@ -1,8 +1,9 @@
 """One way to fetch a block's current state from the network: late join, upstream snapshots, export.
 
 :meth:`StateFetcher.fetch` asks a block's online holders (not those still joining), best first by this node's own
-measurements (``routing/ranking.py``; among peers never measured, the one claiming the most
-steps first), downloads the state over the block RPC, and keeps the first offer that passes
+measurements (``routing/ranking.py``; peers never measured in random order: a claim of steps is anyone's to
+make, and ordering by it let Sybil holders claiming 10^9 steps be asked before every honest one), downloads
+the state over the block RPC (a holder that sends nothing for ``STATE_IDLE_S`` is given up at once), and keeps the first offer that passes
 :meth:`build_checked` (every tensor finite, and the state loads strictly into a fresh block: no
 missing, extra or misshapen tensor). A holder that fails is recorded as such and the next one is
 asked. Callers add their own judgement on top (a late joiner also compares check losses).
@@ -70,11 +71,7 @@ class StateFetcher:
 
     def order(self, holders: Sequence[BlockAnnouncement]) -> list[str]:
         # online holders only: a ``joining`` one is still downloading and has nothing to give yet
-        live = [a for a in holders if a.state == "online" and a.peer_id != self.self_peer]
-        claimed = {a.peer_id: a.step for a in live}
-        by_claim = sorted(claimed, key=lambda p: -claimed[p])   # a stable sort keeps this among equals
-        cost = {p: self.ranking.cost(p) for p in by_claim}
-        return sorted(by_claim, key=lambda p: cost[p])
+        return self.ranking.order([a.peer_id for a in holders if a.state == "online" and a.peer_id != self.self_peer])
 
     def fetch(self, b: int, holders: Sequence[BlockAnnouncement], *, errors: list[str] | None = None,
               timeout: float | None = None) -> Fetched | None:

@@ -179,15 +179,24 @@ class HopClient:
 
         A stream that ends short (:class:`StreamTruncatedError`: its connection dropped) is asked for
         again, up to ``attempts`` streams in all, within the one ``timeout``; the last truncation is raised.
+        A stream that delivers no message for :data:`STATE_IDLE_S` (its first included) is given up at once:
+        a holder that takes the request and never answers (a stalling Sybil) costs a download that long, not
+        its whole ``timeout`` (sized for the slowest link a large block may come over: a minute or more).
         :class:`HopTimeoutError` says how far the stream got."""
         t = self.default_timeout if timeout is None else timeout
         deadline = time.monotonic() + t
         for attempt in range(1, max(1, attempts) + 1):
             progress = StreamProgress()
             try:
-                meta, pbs = await asyncio.wait_for(self._get_state(_peer(peer_id), block_index, max_bytes, progress),
-                                                   max(0.0, deadline - time.monotonic()))
+                meta, pbs = await _while_streaming(self._get_state(_peer(peer_id), block_index, max_bytes, progress),
+                                                   progress, deadline, STATE_IDLE_S)
                 break
+            except _StreamIdle:
+                self.traffic.call(ok=False)
+                raise HopTimeoutError(
+                    f"peer {peer_id} sent no part of block {block_index}'s state for {STATE_IDLE_S:.0f}s "
+                    f"(this stream delivered {progress.describe()})"
+                ) from None
             except asyncio.TimeoutError:
                 self.traffic.call(ok=False)
                 raise HopTimeoutError(
@@ -246,6 +255,35 @@ class HopClient:
         return self._need_loop().run(self.get_block_state(peer_id, block_index, timeout, max_bytes=max_bytes))
 
 
+#: a block state stream that delivers no message for this long is given up (a message is at most a chunk,
+#: DEFAULT_CHUNK_BYTES: seconds at the slowest rate a download is sized for, MIN_STATE_RATE_MB_S = 1 MB/s)
+STATE_IDLE_S = 10.0
+
+
+class _StreamIdle(Exception):
+    pass
+
+
+async def _while_streaming(coro, progress: "StreamProgress", deadline: float, idle_s: float):
+    """Await ``coro`` (a stream reader that updates ``progress``) until ``deadline`` (monotonic:
+    ``asyncio.TimeoutError``), or until it has gone ``idle_s`` without a message (:class:`_StreamIdle`)."""
+    task = asyncio.ensure_future(coro)
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= deadline:
+                raise asyncio.TimeoutError
+            if now - progress.last >= idle_s:
+                raise _StreamIdle
+            await asyncio.wait({task}, timeout=min(deadline, progress.last + idle_s) - now)
+            if task.done():
+                return task.result()
+    finally:
+        if not task.done():   # given up (or we were cancelled): stop reading, close the stream
+            task.cancel()
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())   # nothing left to report
+
+
 @dataclass
 class StreamProgress:
     """How far an answer stream got (read after a timeout or a truncation to say so)."""
@@ -255,6 +293,7 @@ class StreamProgress:
     tensors: int = 0                 # tensor headers seen
     expected: int | None = None      # tensors a complete answer carries, once the first message said
     started: float = field(default_factory=time.monotonic)
+    last: float = field(default_factory=time.monotonic)   # when the last message came (or the stream started)
 
     def describe(self) -> str:
         of = f" of {self.expected}" if self.expected is not None else ""
@@ -281,6 +320,7 @@ async def read_answer(
             size = msg.ByteSize()
             progress.messages += 1
             progress.bytes += size
+            progress.last = time.monotonic()
             if count is not None:
                 count(size)
             if meta is None:

@@ -184,6 +184,8 @@ def test_a_chain_trained_move_judges_the_download_without_a_loss():
     n.cfg, n.errors, n._error = cfg, errors, errors.append
     n.averager = SimpleNamespace(policy=SimpleNamespace(max_loss_increase=0.5))
     n.fetcher = StateFetcher(client, new(0).objective, self_peer="me")
+    n.fetcher.ranking.record_success("nan", 0.01)     # asked first: measured good before (strangers go in random order)
+    n.fetcher.ranking.record_success("other", 0.02)
     n.new_trainer = new
     rec = lambda p: SimpleNamespace(peer_id=p, block_index=0, state="online", is_live=True, step=0)   # noqa: E731
     holders = {0: [rec(p) for p in ("nan", "other", "good")]}

@@ -136,6 +136,20 @@ def _generations(client: NetworkClient, n: int, tag: str) -> tuple[list[float], 
     return lat, outs
 
 
+def _announce_sybils(net) -> dict:
+    """50 Sybil holders of block 1 (5 of them real daemons that take every hop and state request and never
+    answer), announced once for the module and kept fresh by the outsider."""
+    if "sybils" not in net:
+        seed, out = net["seed"], net["out"]
+        cfg_hash = seed.get("/v1/status")["run"]["config_hash"]
+        syb = out.cmd("sybils", run_id=RUN, block=1, config_hash=cfg_hash, n=50, stall=5, timeout=300)
+        assert syb["stored"] == 50
+        wait_for(lambda: sum(len(b["holders"]) for b in seed.get("/v1/status")["blocks"] if b["block"] == 1) >= 51,
+                 90, "the 50 Sybils in the seed's view of block 1")
+        net["sybils"] = syb
+    return net["sybils"]
+
+
 def test_fifty_sybil_holders_cannot_stop_generation(net):
     sw, seed, h1, out = net["sw"], net["seed"], net["h1"], net["out"]
     clean_client = NetworkClient([sw.seed_maddr], RUN)
@@ -143,11 +157,7 @@ def test_fifty_sybil_holders_cannot_stop_generation(net):
         clean, _ = _generations(clean_client, 20, "clean")
     finally:
         clean_client.close()
-    cfg_hash = seed.get("/v1/status")["run"]["config_hash"]
-    syb = out.cmd("sybils", run_id=RUN, block=1, config_hash=cfg_hash, n=50, stall=5, timeout=300)
-    assert syb["stored"] == 50
-    wait_for(lambda: sum(len(b["holders"]) for b in seed.get("/v1/status")["blocks"] if b["block"] == 1) >= 51,
-             90, "the 50 Sybils in the seed's view of block 1")
+    _announce_sybils(net)
     honest = h1.info["peer_id"]
     client = NetworkClient([sw.seed_maddr], RUN)   # a router that has measured nobody yet
     try:
@@ -175,3 +185,37 @@ def test_fifty_sybil_holders_cannot_stop_generation(net):
     # to the Sybils; it asks block 1's holders first (the rule itself: tests/test_rebalance_confirm.py)
     time.sleep(12)   # more than one rebalancing period (TTL/3 = 10 s) after the last generation
     assert h1.get("/v1/status")["self"]["block"] == 1
+
+
+def test_a_state_download_gives_up_stalling_sybils_early_and_reaches_the_honest_holder(net):
+    """Downloading block 1's state (an export, a late join's fallback, a move, an upstream snapshot) with the 50
+    Sybils announced, each claiming 10^9 steps. Before: holders never measured were asked in order of their
+    claimed steps, every Sybil before the honest holder, and a staller held each download for its whole timeout
+    (an export's 60 s each, 5 minutes for the 5). Now strangers are asked in random order, and a holder that
+    sends no part of the state for STATE_IDLE_S (10 s) is given up then."""
+    from blocktrain.p2p.rpc_client import STATE_IDLE_S
+
+    syb, honest = _announce_sybils(net), net["h1"].info["peer_id"]
+    client = NetworkClient([net["sw"].seed_maddr], RUN)   # a fresh client: it has measured nobody
+    try:
+        holders = [h for h in client.holders().get(1, []) if h.state == "online"]
+        assert len(holders) >= 51
+        stalling = [h for h in holders if h.peer_id in syb["stalling"][:2]]
+        assert len(stalling) == 2
+        errors: list[str] = []
+        t0 = time.monotonic()
+        assert client.fetcher.fetch(1, stalling, errors=errors, timeout=120) is None
+        stalled_s = time.monotonic() - t0
+        assert len(errors) == 2 and all(f"sent no part of block 1's state for {STATE_IDLE_S:.0f}s" in e
+                                        for e in errors), errors
+        assert stalled_s < 2 * 120 / 2, stalled_s   # each given up at the idle limit, not its 120-s timeout
+        errors = []
+        t0 = time.monotonic()
+        got = client.fetcher.fetch(1, holders, errors=errors, timeout=120)
+        all_s = time.monotonic() - t0
+    finally:
+        client.close()
+    assert got is not None and got.peer == honest, errors
+    report("sybil_state_download", sybils=50, stalling=5, two_stallers_s=round(stalled_s, 1),
+           all_holders_s=round(all_s, 1), tried_before_honest=len(errors),
+           stallers_tried=sum(any(p in e for p in syb["stalling"]) for e in errors))

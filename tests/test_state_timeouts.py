@@ -62,6 +62,7 @@ def test_a_cut_downloads_parts_are_freed_when_the_next_holder_is_asked():
     alive = lambda: sum(1 for o in gc.get_objects() if torch.is_tensor(o) and tuple(o.shape) == shape)  # noqa: E731
     fetcher = StateFetcher(Client(), Objective(), self_peer="me")
     fetcher.build_checked = lambda objective, b, tensors: None   # the check is not what this test is about
+    fetcher.ranking.record_success("cut", 0.01)   # asked first (strangers go in random order)
     holders = [SimpleNamespace(peer_id=p, state="online", is_live=True, step=0) for p in ("cut", "good")]
     gc.collect()
     gc.disable()
@@ -73,3 +74,41 @@ def test_a_cut_downloads_parts_are_freed_when_the_next_holder_is_asked():
         gc.enable()
     assert got is not None and got.peer == "good" and "ended after 3 of 4 parts" in errors[0], errors
     assert left == 0, "the cut stream's delivered parts are still held"
+
+
+def test_a_state_stream_silent_for_the_idle_limit_is_given_up_but_a_slow_steady_one_is_not():
+    """``get_block_state``'s guard (p2p/rpc_client.py): a stream that sends nothing for the idle limit, its
+    first message included, is given up then, not at the download's whole timeout (a stalling Sybil holder
+    cost each download its timeout: 60 s per staller for an export); a stream slower in all than the idle
+    limit but never silent that long is read to its end; the overall deadline still holds."""
+    import asyncio
+    import time
+
+    import pytest
+
+    from blocktrain.p2p.rpc_client import StreamProgress, _StreamIdle, _while_streaming
+
+    async def stream(progress, gaps):
+        for g in gaps:
+            await asyncio.sleep(g)
+            progress.messages += 1
+            progress.last = time.monotonic()
+        return "done"
+
+    async def run(gaps, deadline_s, idle_s=0.4):
+        p = StreamProgress()
+        return await _while_streaming(stream(p, gaps), p, time.monotonic() + deadline_s, idle_s)
+
+    t0 = time.monotonic()
+    with pytest.raises(_StreamIdle):                      # silent from the start: given up at the idle limit
+        asyncio.run(run([60.0], 30.0))
+    assert 0.35 < time.monotonic() - t0 < 2.0
+    t0 = time.monotonic()
+    with pytest.raises(_StreamIdle):                      # two messages, then silent
+        asyncio.run(run([0.1, 0.1, 60.0], 30.0))
+    assert 0.55 < time.monotonic() - t0 < 2.5
+    assert asyncio.run(run([0.2] * 8, 30.0)) == "done"   # 1.6 s in all, never 0.4 s silent
+    t0 = time.monotonic()
+    with pytest.raises(asyncio.TimeoutError):             # steady, but past the overall deadline
+        asyncio.run(run([0.2] * 20, 1.0))
+    assert 0.95 < time.monotonic() - t0 < 2.5

@@ -11,7 +11,7 @@ answers one JSON line per command on stdin:
 * ``fake_runs``: write entries under the old run-index key and a manifest for a fake run;
 * ``sybils``: N fresh RSA identities announce themselves as holders of one block (valid
   signatures, claimed throughput 10^6 samples/s); ``stall`` of them run a real p2p daemon that
-  accepts the block's hop streams (or, ``stall_kind="train"``, its pipeline micro-batches) and never
+  accepts the block's hop streams and state downloads (or, ``stall_kind="train"``, its pipeline micro-batches) and never
   answers, the rest list an address nobody answers on;
 * ``taken``: how many requests the stalling daemons have taken (and held) so far;
 * ``quit``.
@@ -83,7 +83,7 @@ async def _taken(_dht, node) -> int:   # runs in a staller's DHT process
 
 
 class BlockService(ServicerBase):
-    """Named like the holders' servicer, so hivemind routes the block's hop streams here; never answers."""
+    """Named like the holders' servicer, so hivemind routes the block's hops and state downloads here; never answers."""
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         _TAKEN[0] += 1
@@ -92,6 +92,12 @@ class BlockService(ServicerBase):
 
     async def rpc_forward_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
                                  ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        _TAKEN[0] += 1
+        await asyncio.sleep(3600)
+        yield runtime_pb2.ExpertResponse()
+
+    async def rpc_state(self, request: runtime_pb2.ExpertRequest, context: P2PContext
+                        ) -> AsyncIterator[runtime_pb2.ExpertResponse]:   # a state download: taken, never answered
         _TAKEN[0] += 1
         await asyncio.sleep(3600)
         yield runtime_pb2.ExpertResponse()
