@@ -3,7 +3,7 @@
 :class:`BlockAveragerHandle` owns a ``DecentralizedAverager`` (a child process of hivemind's) for
 one block's parameters: matchmaking under a DHT prefix, all-reduce with compression, state
 sharing for late joiners. Everything hivemind-specific lives here: the subclass and its patches
-(traffic counters, the NumPy-2 fix of the 8-bit decoder, refusal of banned or not-allowed peers
+(traffic counters, the NumPy-2 fix of the 8-bit decoder, a paced matchmaking search, refusal of banned or not-allowed peers
 before any tensor moves) and the bounded waits. Callers (the node's round policy) see plain
 tensors in and out: :meth:`round` returns what the group gathered and the averaged tensors, or
 raises :class:`RoundFailed` saying why; nothing here decides whether a result is accepted.
@@ -48,7 +48,7 @@ from blocktrain.p2p.inprocess import RunsInThread
 from blocktrain.p2p.process import StopsWithParent, stop_process
 
 __all__ = ["BlockAveragerHandle", "RoundFailed", "RoundResult", "COMPRESSIONS", "make_compression",
-           "patch_8bit_decoder", "free_shared_pages"]
+           "patch_8bit_decoder", "pace_matchmaking", "MATCHMAKING_FETCH_INTERVAL_S", "free_shared_pages"]
 
 log = logging.getLogger(__name__)
 # "could not find a group" is the normal outcome of a round with no same-block peer online;
@@ -155,6 +155,50 @@ def patch_8bit_decoder() -> None:
     Quantization.extract = extract
 
 
+#: the shortest time between two reads of the group key's averagers while matchmaking (see pace_matchmaking)
+MATCHMAKING_FETCH_INTERVAL_S = 0.25
+
+
+def pace_matchmaking(interval: float = MATCHMAKING_FETCH_INTERVAL_S) -> None:
+    """hivemind 1.1.12's search for a group re-reads the group key's averagers from the DHT whenever
+    ``pop_next_leader`` finds no leader to ask, and it finds none for most of a window (the peer that
+    will lead waits for followers; a lone replica waits for no one): the read is repeated as fast as
+    the DHT answers, each a DHT ``get`` of several ``rpc_find`` calls through p2pd. Six tiny nodes
+    averaging on the clock made ~18 such reads a second each, 40 % of their CPU with p2pd's share
+    (BENCHMARKS.md "Matchmaking's DHT reads"). The same loop, at most one read per ``interval``
+    seconds: a follower sees a new leader at most that much later, inside a 3 s window."""
+    import asyncio
+    from math import isfinite
+
+    from hivemind.averaging import matchmaking
+
+    async def _update_queue_periodically(self, key_manager) -> None:
+        discrepancy = matchmaking.MAX_DHT_TIME_DISCREPANCY_SECONDS
+        loop = asyncio.get_running_loop()
+        while get_dht_time() < self.search_end_time:
+            started = loop.time()
+            new_peers = await key_manager.get_averagers(key_manager.current_key, only_active=True)
+            self.max_assured_time = max(self.max_assured_time, get_dht_time() + self.min_matchmaking_time - discrepancy)
+            self.leader_queue.clear()
+            for peer, peer_expiration_time in new_peers:
+                if peer == self.peer_id or (peer, peer_expiration_time) in self.past_attempts:
+                    continue
+                self.leader_queue.store(peer, peer_expiration_time, peer_expiration_time)
+                self.max_assured_time = max(self.max_assured_time, peer_expiration_time - discrepancy)
+            self.update_finished.set()
+            await asyncio.wait(
+                {asyncio.create_task(self.running.wait()), asyncio.create_task(self.update_triggered.wait())},
+                return_when=asyncio.ALL_COMPLETED,
+                timeout=self.search_end_time - get_dht_time() if isfinite(self.search_end_time) else None)
+            self.update_triggered.clear()
+            rest = started + interval - loop.time()   # the only change: no second read within `interval`
+            if rest > 0:
+                await asyncio.sleep(rest)
+
+    _update_queue_periodically.bt_paced = interval
+    matchmaking.PotentialLeaders._update_queue_periodically = _update_queue_periodically
+
+
 class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
     """hivemind's averager with BlockTrain's additions. Set the ``bt_*`` attributes before starting it.
 
@@ -178,6 +222,7 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
 
     def run(self):   # in the averager's child process, or its thread of the node's
         patch_8bit_decoder()
+        pace_matchmaking()
         super().run()
 
     def _run_internal(self):   # hivemind's loop, in a thread of its own
@@ -279,7 +324,10 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
                 tensor.copy_(delta.mul_(self._averaging_alpha) if self._averaging_alpha != 1 else delta)
                 done += 1
                 self.last_updated = get_dht_time()
-                self._state_updated.set()
+                # hivemind sets ``_state_updated`` here, once per tensor: each wakes the loop that declares
+                # our state for download and re-stores the same priority in the DHT (a block's dozen
+                # tensors, a dozen DHT stores a round). The priority changes through share_state's
+                # setter, which wakes that loop itself.
         finally:
             for tensor in tensors[done:]:
                 tensor.zero_()
