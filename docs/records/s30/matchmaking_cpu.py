@@ -35,9 +35,10 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=6)
     ap.add_argument("--window", type=float, default=60.0)
     ap.add_argument("--settle", type=float, default=5.0)
+    ap.add_argument("--objective", default="paper")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="mmcpu-"))
-    sets = [x for kv in ["objective=paper", *TINY] for x in ("--set", kv)]
+    sets = [x for kv in [f"objective={args.objective}", *TINY] for x in ("--set", kv)]
     common = ["--data", str(TEST_CORPUS), "--http-port", "0", "--device", "cpu", *QUIET_TRAINING, "--quiet"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs, infos = [], []
@@ -86,7 +87,7 @@ def main() -> None:
             by_kind[name] = by_kind.get(name, 0.0) + v - a.get(pid, (name, 0.0))[1]
         keys = ("attempted", "succeeded", "rejected", "failed")
         print(json.dumps({
-            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "nodes": args.nodes, "window_s": args.window,
+            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()), "nodes": args.nodes, "objective": args.objective, "window_s": args.window,
             "cpu_s_per_s": {k: round(v / args.window, 3) for k, v in sorted(by_kind.items())},
             "cpu_s_per_s_total": round(sum(by_kind.values()) / args.window, 3),
             "rounds_in_window": {k: sum(y[k] - x[k] for x, y in zip(ra, rb)) for k in keys}}))
