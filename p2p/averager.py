@@ -164,8 +164,8 @@ def pace_matchmaking(interval: float = MATCHMAKING_FETCH_INTERVAL_S) -> None:
     ``pop_next_leader`` finds no leader to ask, and it finds none for most of a window (the peer that
     will lead waits for followers; a lone replica waits for no one): the read is repeated as fast as
     the DHT answers, each a DHT ``get`` of several ``rpc_find`` calls through p2pd. Six tiny nodes
-    averaging on the clock made ~18 such reads a second each, 40 % of their CPU with p2pd's share
-    (BENCHMARKS.md "Matchmaking's DHT reads"). The same loop, at most one read per ``interval``
+    averaging at the node's defaults made ~17 such reads a second each; pacing them took the six
+    nodes' CPU, p2pd's included, from 1.9 to 0.9 CPU-seconds per second (BENCHMARKS.md "Matchmaking's DHT reads"). The same loop, at most one read per ``interval``
     seconds: a follower sees a new leader at most that much later, inside a 3 s window."""
     import asyncio
     from math import isfinite

@@ -1,6 +1,6 @@
 """What one averaging round costs the DHT. hivemind 1.1.12's matchmaking re-read the group key's
 averagers as fast as the DHT answered while it had no leader to ask (a lone replica, or the peer that
-leads), and it re-declared this peer's state offer once per averaged tensor: six tiny nodes spent 40 %
+leads), and it re-declared this peer's state offer once per averaged tensor: six tiny nodes spent about half
 of their CPU on it (BENCHMARKS.md "Matchmaking's DHT reads"). ``p2p/averager.py`` paces the search
 (``pace_matchmaking``: one read per ``MATCHMAKING_FETCH_INTERVAL_S``) and leaves the offer alone during
 a round. Real hivemind DHTs and averagers on 127.0.0.1, in this process; hivemind's own methods are
