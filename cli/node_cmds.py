@@ -76,6 +76,11 @@ def node_options(fn):
         click.option("--rebalance-dwell", type=click.FloatRange(0, 86400), default=600.0, show_default=True,
                      help="Seconds a block is held before the node may move away from it (a rescue of a block "
                           "down to one ready holder does not wait)."),
+        click.option("--state-sources", type=click.IntRange(1, 16), default=2, show_default=True,
+                     help="How many holders' states a late join or a move downloads and compares before "
+                          "training one: it keeps the one with the best held-out loss (its own check loss, "
+                          "or the chain's with it in place), so a holder offering an untrained or damaged "
+                          "block loses to an honest one. 1 takes the first acceptable state (one download)."),
         click.option("--announce-ttl", "ttl", type=click.FloatRange(6, 3600), default=30.0, show_default=True,
                      help="Seconds this node's announcement lives in the DHT; it is refreshed every third of "
                           "it, and the rebalancing check runs as often. A node that dies unannounced drops "

@@ -44,7 +44,7 @@ from blocktrain.node.routing.hops import serve_local
 from blocktrain.node.routing.ranking import HolderRanking
 from blocktrain.node.routing.router import Router
 from blocktrain.node.routing.selection import choose_block
-from blocktrain.node.state_fetch import StateFetcher, state_bytes, transfer_timeout
+from blocktrain.node.state_fetch import ChainJudge, LossJudge, StateFetcher, StateJudge, state_bytes, transfer_timeout
 from blocktrain.node.status import NodeStatus, build_status
 from blocktrain.node.trainer import BlockTrainer
 from blocktrain.node.upstream import UpstreamSnapshots
@@ -144,12 +144,11 @@ class Node:
         self._start_rpc()
         if not self.trainer.objective.block_local:   # pipeline / forward-streamed: train along the chain
             start_pipeline(self)
-        self.averager = self.new_averager(self.trainer, share=False)
+        self.averager = self.new_averager(self.trainer)
         td.push("averager", self._stop_averagers, budget=3.0)
         if self.upstream is not None and self.block_index > 0:
             self.refresh_upstream()   # before the late join: judging a download needs blocks < b
         self._join_announced()
-        self.averager.share_state()   # online: resumed, downloaded, or the run's first holder; never a fresh init
         if o.http_port is not None:
             from blocktrain.node.http.server import HttpServer
             self.http = HttpServer(self, o.http_host, o.http_port, operator_token=o.operator_token)
@@ -258,18 +257,14 @@ class Node:
         return BlockTrainer(self.cfg, b, self.split.train, self.split.eval, device=pick_device(o.device),
                             seed=o.seed, worker_id=worker, upstream=self.upstream, lr_decay_s=o.lr_decay_seconds)
 
-    def new_averager(self, trainer: BlockTrainer, *, share: bool = True) -> BlockAverager:
-        """The averager of ``trainer``'s block; it offers the block's state to downloaders only if
-        ``share`` (a move's new block: its state was just downloaded and checked). At start the
-        node shares once it is online (:meth:`_late_join` done), never its fresh init."""
+    def new_averager(self, trainer: BlockTrainer) -> BlockAverager:
+        """The averager of ``trainer``'s block (rounds only: a block's state is downloaded over the block
+        RPC from announced holders and judged, :meth:`_late_join`)."""
         o, b = self.opts, trainer.block_index
-        avg = BlockAverager(self.discovery.dht, trainer, self.run_id, peer_id=self.peer_id,
-                            compression=o.averaging_compression,
-                            authorize=self.auth.authorize if self.auth.restricted else None,
-                            prefix=self.auth.averaging_prefix(self.run_id, b))
-        if share:
-            avg.share_state()
-        return avg
+        return BlockAverager(self.discovery.dht, trainer, self.run_id, peer_id=self.peer_id,
+                             compression=o.averaging_compression,
+                             authorize=self.auth.authorize if self.auth.restricted else None,
+                             prefix=self.auth.averaging_prefix(self.run_id, b))
 
     def _hop(self, req):
         """The RPC server's hop handler: the request's block, if this node serves it now."""
@@ -306,7 +301,8 @@ class Node:
         self.router = Router(self.discovery, self.client, self.run_id, cfg.n_blocks,
                              local_hops={b: self.trainer.hop}, self_peer=self.peer_id, bans=self.route_bans,
                              ranking=self.ranking)
-        self.fetcher = StateFetcher(self.client, objective, ranking=self.ranking, self_peer=self.peer_id)
+        self.fetcher = StateFetcher(self.client, objective, ranking=self.ranking, self_peer=self.peer_id,
+                                    config_hash=cfg.config_hash)
 
     def _info(self) -> dict:
         """What this node tells a member that asks which run it serves."""
@@ -332,7 +328,8 @@ class Node:
         self.discovery.start_announcing(self.announcements)   # not at its next period
 
     def _late_join(self) -> None:
-        """Download the block's current state from a live holder before training (unless resumed)."""
+        """Download the block's current state before training (unless resumed): the best of up to
+        ``--state-sources`` online holders' states, judged (:meth:`state_judge`) over the block RPC."""
         if self.resumed:
             return
         if not self.trainer.ready():
@@ -343,21 +340,39 @@ class Node:
         if not others:
             return
         t0 = time.monotonic()
-        via, nbytes = "averager", state_bytes(self.trainer.module)
+        nbytes = state_bytes(self.trainer.module)
         timeout = transfer_timeout(nbytes)   # 30 s, or more for a block a slow link cannot carry in 30 s
-        try:
-            self.downloaded = self.averager.download_state(timeout=timeout)
-        except ValueError as e:
-            self._error(f"state download refused: {e}")
-        if self.downloaded is None:   # fall back to the block RPC
-            via = "block rpc"
-            got = self.fetcher.fetch(self.block_index, others, errors=self.errors, timeout=timeout)
-            if got is not None:
-                self.trainer.load_state(got.tensors, step=int(got.meta.get("step", 0)),
-                                        samples_seen=int(got.meta.get("samples_seen", 0)))
-                self.downloaded = got.meta
-        self.late_join = {"via": via if self.downloaded is not None else None,
-                          "s": round(time.monotonic() - t0, 2), "mb": round(nbytes / 1e6, 2)}
+        judge = self.state_judge(self.trainer, {})
+        got = self.fetcher.fetch_best(self.block_index, others, judge, sources=self.opts.state_sources,
+                                      errors=self.errors, timeout=timeout)
+        if got is not None:
+            self.trainer.load_state(got.tensors, step=int(got.meta.get("step", 0)),
+                                    samples_seen=int(got.meta.get("samples_seen", 0)))
+            self.downloaded = got.meta
+        self.late_join = {"via": "block rpc" if got is not None else None, "s": round(time.monotonic() - t0, 2),
+                          "mb": round(nbytes / 1e6, 2), "from": got.peer if got is not None else None,
+                          "judged_by": "check loss" if self.trainer.judges_by_loss else "chain ce",
+                          "fresh": _finite_or_none(judge.fresh),
+                          "compared": got.compared if got is not None else []}
+
+    def state_judge(self, trainer: BlockTrainer, held: dict) -> StateJudge:
+        """How a downloaded state of ``trainer``'s block is judged before this node trains it (a late
+        join, a move): a block-local block by its own check loss, a chain-trained one by the chain's
+        held-out CE on the trainer's check windows with the offered block in place, the blocks in
+        ``held`` (block -> hop) run here and the others through the network; either refuses a state
+        worse than ``trainer``'s fresh block by the averaging margin (``max_loss_increase``)."""
+        margin = self.averager.policy.max_loss_increase
+        if trainer.judges_by_loss:
+            return LossJudge(trainer, margin)
+        b = trainer.block_index
+        router = Router(self.discovery, self.client, self.run_id, self.cfg.n_blocks, local_hops=dict(held),
+                        self_peer=self.peer_id, bans=self.route_bans, ranking=self.ranking, discovery_grace_s=1.0)
+
+        def chain_ce(hop) -> float:
+            router.local_hops[b] = hop
+            return generation.score(trainer.objective, router, trainer.check_windows, 1)["chain_ce"]
+
+        return ChainJudge(trainer.objective, b, chain_ce, trainer.module, margin)   # a fresh block: nobody uses it yet
 
     def announcements(self) -> list[BlockAnnouncement]:
         """What the refresher stores: this node's block, and while it moves, the block it is joining."""
@@ -424,7 +439,6 @@ class Node:
                 self.averager.stats.skipped_alone += 1
                 continue
             self.averager.round()
-            self.averager.share_state()   # downloaders try the most trained holder first
 
     def _block_has_peers(self) -> bool:
         """Does another node announce this block? A round alone forms no group, and its matchmaking

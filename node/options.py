@@ -60,6 +60,7 @@ class NodeOptions:
     pipeline_layer_checkpoint: bool = False    # graphs hold each layer's input only; the backward reruns the layer
     rebalance: bool = True                     # move to a needier block (node/rebalance.py); False pins the block
     rebalance_dwell: float = 600.0             # seconds a block is held before the node may leave it
+    state_sources: int = 2                     # holders whose states a late join or a move compares (state_fetch.py)
     operator_token: bytes | None = field(default=None, init=False, repr=False)   # read once from the file
 
     def __post_init__(self) -> None:
@@ -104,6 +105,8 @@ class NodeOptions:
             raise ValueError(f"--lr-decay-seconds must be in [1, 1e7] seconds, got {self.lr_decay_seconds}")
         if not 6.0 <= self.ttl <= 3600.0:
             raise ValueError(f"--announce-ttl must be in [6, 3600] seconds, got {self.ttl}")
+        if not 1 <= self.state_sources <= 16:
+            raise ValueError(f"--state-sources must be in [1, 16], got {self.state_sources}")
         if not 0.0 <= self.rebalance_dwell <= 86_400.0:
             raise ValueError(f"--rebalance-dwell must be in [0, 86400] seconds, got {self.rebalance_dwell}")
         if not 0.0 <= self.inject_delay_ms <= 10_000.0:

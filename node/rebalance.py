@@ -16,10 +16,11 @@ A move from block m to block t (:meth:`Rebalancer.move`), while the node keeps t
    not talk the real ones out of it); otherwise the move is refused;
 1. announce t as ``joining`` (the refresher stores both records; ``block_load`` then counts this
    node in t only, so other donors do not rush to the same hole);
-2. download t's state from a live holder through :class:`~blocktrain.node.state_fetch.StateFetcher`
-   (finite, loads strictly), and judge it as a late joiner judges a download: the config hash must
-   match and its held-out check loss must not be worse than a fresh block's; a bad offer is refused
-   and the next holder asked; no acceptable offer: the move is abandoned (the ``joining`` record is
+2. download t's state from up to ``--state-sources`` live holders through
+   :meth:`~blocktrain.node.state_fetch.StateFetcher.fetch_best` (finite, loads strictly, this run's config
+   hash) and keep the best as a late joiner does (``Node.state_judge``: its held-out check loss, or for a
+   chain-trained block the chain's held-out CE with it in place; worse than a fresh block's is refused and
+   the next holder asked); no acceptable offer: the move is abandoned (the ``joining`` record is
    tombstoned), nothing of block m changed;
 3. if block m has no other ready holder any more (they left during the download), the move is
    abandoned as in 2: leaving would only trade one empty block for another;
@@ -27,8 +28,8 @@ A move from block m to block t (:meth:`Rebalancer.move`), while the node keeps t
    router, announcement (t ``online``); m's checkpoint is written and m's record tombstoned;
 5. after a grace period (routers cache holder lists for 3 s) stop serving m and its averager.
 
-A chain-trained node (``pipeline``, ``forward-streamed``) moves the same way. Its downloaded state is
-judged as a late joiner's is (finite, the block's shapes: a pipeline block has no loss alone); before
+A chain-trained node (``pipeline``, ``forward-streamed``) moves the same way (its download judged by the
+chain's CE, block m run here and the others through the network); before
 the switch t's pipeline engine is built and its ``rpc_train`` service registered, refusing work
 (``busy``) until the switch commits it; then the train loop leaves m's engine (its ``run`` returns; new
 micro-batches to m are refused, ``busy``, so their senders try m's other holders; those m holds finish
@@ -47,7 +48,7 @@ import time
 
 from blocktrain.node.pipeline.compose import PreparedSwitch
 from blocktrain.node.routing.selection import RebalancePolicy, block_load, choose_rebalance, ready_load
-from blocktrain.node.state_fetch import StateFetcher, state_bytes, transfer_timeout
+from blocktrain.node.state_fetch import state_bytes, transfer_timeout
 
 log = logging.getLogger(__name__)
 GRACE_S = 5.0   # keep serving the old block this long after its tombstone (routers cache holders 3 s)
@@ -184,32 +185,19 @@ class Rebalancer:
                    for a in n.discovery.list_holders(n.run_id).get(m, []))
 
     def _download(self, t: int, holders: dict):
-        """A trainer of block t holding a checked state downloaded from one of t's live holders."""
+        """A trainer of block t holding the best checked state of up to ``--state-sources`` of t's live
+        holders, judged as a late joiner's download is (``Node.state_judge``; a chain-trained block by the
+        chain's CE with it in place, this node's block m run here)."""
         n = self.node
         others = [a for a in holders.get(t, []) if a.state == "online" and a.peer_id != n.peer_id]
         trainer = n.new_trainer(t)
-        # a chain-trained block has no loss alone: it is judged as a late joiner's download is (finite, fits)
-        fresh = trainer.check_loss() if trainer.judges_by_loss else None
-        max_up = n.averager.policy.max_loss_increase
         timeout = transfer_timeout(state_bytes(trainer.module))   # a large block over a slow link needs more than 30 s
-        while others:
-            got = n.fetcher.fetch(t, others, errors=n.errors, timeout=timeout)
-            if got is None:
-                break
-            others = [a for a in others if a.peer_id != got.peer]
-            why = None
-            if got.meta.get("config_hash") != n.cfg.config_hash:
-                why = "its config hash differs from the run's"
-            elif fresh is not None:   # fetch() checked it is finite and fits; a block-local one is judged too
-                offered = trainer.check_loss(StateFetcher.build_checked(trainer.objective, t, got.tensors))
-                if not offered < fresh + max_up:   # NaN fails too
-                    why = f"its held-out check loss ({offered:.3f}) is worse than a fresh block's ({fresh:.3f})"
-            if why is None:
-                trainer.load_state(got.tensors, step=int(got.meta.get("step", 0)),
-                                   samples_seen=int(got.meta.get("samples_seen", 0)))
-                return trainer, got
-            n._error(f"state of block {t} from {got.peer} refused: {why}")
-        raise MoveRefused(f"no holder of block {t} offered an acceptable state")
+        judge = n.state_judge(trainer, {n.block_index: n.trainer.hop})
+        got = n.fetcher.fetch_best(t, others, judge, sources=n.opts.state_sources, errors=n.errors, timeout=timeout)
+        if got is None:
+            raise MoveRefused(f"no holder of block {t} offered an acceptable state")
+        trainer.load_state(got.tensors, step=int(got.meta.get("step", 0)), samples_seen=int(got.meta.get("samples_seen", 0)))
+        return trainer, got
 
     def _switch(self, m: int, trainer, new_avg, switch: PreparedSwitch | None) -> None:
         """Serve block t and make it this node's block; block m is still served until :meth:`_retire`.

@@ -206,13 +206,14 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
     a node's child process like the DHT's (p2p/process.py: it ignores SIGINT/SIGTERM, the host stops
     it (:meth:`BlockAveragerHandle.shutdown`), and it exits on its own if the host dies).
 
-    * ``bt_state``: callable returning ``(metadata, tensors)`` of the live block, served to late
-      joiners (runs in the host process: hivemind asks the host for the current state). Required:
-      hivemind would otherwise serve the averaged buffers, which hold a round's change.
+    * ``bt_state``: callable returning ``(metadata, tensors)`` of the live block: what hivemind's
+      state download would serve (it runs in the host process). Sharing is off (``allow_state_sharing``
+      False: the download answers nothing); this is the guard that hivemind never serves the averaged
+      buffers, which hold a round's change, if it were turned on.
     * ``bt_authorize``: callable(peer id) -> bool for private runs.
     * ``bt_counters``: shared traffic counters (``mp.RawArray("q", 4)``).
-    Peers refused by the host (``set_refused``) or not authorized cannot join our group, download
-    our state, or stay in a group we are in: we leave before any tensor part moves.
+    Peers refused by the host (``set_refused``) or not authorized cannot join our group or stay in a
+    group we are in: we leave before any tensor part moves.
     """
 
     bt_state: StateProvider | None = None
@@ -290,13 +291,6 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
         async for response in super().rpc_join_group(request, context):
             yield response
 
-    async def rpc_download_state(self, _request: averaging_pb2.DownloadRequest, _context: P2PContext
-                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        if self.bt_authorize is not None and not self.bt_authorize(str(_context.remote_id)):
-            return   # an empty answer: the caller moves on to the next peer
-        async for message in super().rpc_download_state(_request, _context):
-            yield message
-
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs):
         refused = [str(p) for p in group_info.peer_ids if p != self.peer_id and not self._bt_member_ok(p)]
         if refused:   # leave before sending or receiving any tensor part
@@ -325,9 +319,8 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
                 done += 1
                 self.last_updated = get_dht_time()
                 # hivemind sets ``_state_updated`` here, once per tensor: each wakes the loop that declares
-                # our state for download and re-stores the same priority in the DHT (a block's dozen
-                # tensors, a dozen DHT stores a round). The priority changes through share_state's
-                # setter, which wakes that loop itself.
+                # our state for download and re-stored it in the DHT (a block's dozen tensors, a dozen
+                # DHT stores a round, while sharing was on). Sharing is off now; the loop stays asleep.
         finally:
             for tensor in tensors[done:]:
                 tensor.zero_()
@@ -366,10 +359,10 @@ class BlockAveragerHandle:
             prefix=prefix, target_group_size=target_group_size, min_group_size=2,
             min_matchmaking_time=matchmaking_time, request_timeout=max(1.0, matchmaking_time / 2),
             # a DHT in client mode (a member nobody can dial) makes hivemind's averager a client too:
-            # it joins groups others lead and cannot share its state (share_state is a no-op then)
-            # nobody downloads our state until the node says it is worth having (share_state): a
-            # joiner still downloading holds a fresh init, and hivemind breaks ties among sharers
-            # at random, so a concurrent joiner could adopt that init as the block's state
+            # it joins groups others lead. hivemind's state sharing stays off: its downloaders ask the
+            # peers declared under the prefix in the order of the priority each claims, so a Sybil
+            # claiming the most steps was asked first and its untrained state adopted; a block's state
+            # travels over the block RPC from announced holders instead, judged (node/state_fetch.py)
             compression=make_compression(compression), allow_state_sharing=False, next_chunk_timeout=10.0,
             sender_timeout=5.0, reducer_timeout=10.0, allreduce_timeout=allreduce_timeout,
             shutdown_timeout=shutdown_timeout)
@@ -386,20 +379,6 @@ class BlockAveragerHandle:
     @property
     def peer_id(self) -> str:
         return str(self.averager.peer_id)
-
-    def share_state(self, priority: float | None) -> None:
-        """Offer this block's state to downloaders (late joiners, movers) with ``priority`` (they try
-        the highest first; the node passes its step, so the most trained holder answers first), or
-        stop offering it (None). Declared in the DHT under ``{prefix}.all_averagers``; a change of
-        priority is declared again at once. No-op for a client-mode averager (nobody can dial it)."""
-        a = self.averager
-        if a.client_mode:
-            return
-        if priority is None:
-            a.allow_state_sharing = False
-            return
-        a.state_sharing_priority = float(priority)
-        a.allow_state_sharing = True
 
     def traffic(self) -> dict[str, int]:
         """What the averager's process put on / took off libp2p streams so far: serialized protobuf
@@ -480,20 +459,6 @@ class BlockAveragerHandle:
         if not lock.acquire(timeout=self.allreduce_timeout + 5):
             raise RoundFailed("the averager is still busy with an earlier all-reduce")
         return lock
-
-    def download_state(self, timeout: float = 30.0) -> tuple[dict, list[torch.Tensor]] | None:
-        """The block's state from a same-prefix peer that shares it, or None if none answered in
-        ``timeout`` seconds (hivemind raises TimeoutError then: a block larger than the link carries
-        in that time; the caller falls back to the block RPC instead of dying of it)."""
-        try:
-            got = self.averager.load_state_from_peers(timeout=timeout)
-        except TimeoutError:
-            log.warning("state download through the averager gave up after %.0f s", timeout)
-            return None
-        if got is None:
-            return None
-        meta, tensors = got
-        return (meta if isinstance(meta, dict) else {}), list(tensors)
 
     def shutdown(self) -> bool:
         """Ask the averager process to stop; SIGKILL it after its shutdown timeout. False if it

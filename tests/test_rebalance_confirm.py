@@ -159,14 +159,15 @@ class _States:
         return self.states[peer]
 
 
-def test_a_chain_trained_move_judges_the_download_without_a_loss():
-    """A ``pipeline`` block has no loss alone (its trainer cannot judge by one): a move's download is
-    judged as a late joiner's is. Non-finite state (a hostile holder) and another config's state are
-    refused, the next holder asked; an honest state is taken as sent, no check loss computed."""
+def test_a_chain_trained_move_judges_the_download_by_the_chain():
+    """A ``pipeline`` block has no loss alone (its trainer cannot judge by one): a move's download is judged
+    as a late joiner's is, by the chain's CE with the offered block in place (``Node.state_judge``; here the
+    chain runs in process). Non-finite state (a hostile holder) and another config's state are refused at the
+    download, the next holder asked; an honest state is taken as sent."""
     import numpy as np
     import torch
 
-    from blocktrain.node.state_fetch import StateFetcher
+    from blocktrain.node.state_fetch import ChainJudge, StateFetcher
     from blocktrain.node.trainer import BlockTrainer
 
     from test_utils.configs import tiny_config
@@ -182,15 +183,26 @@ def test_a_chain_trained_move_judges_the_download_without_a_loss():
     r, _ = _rebalancer({})
     n, errors = r.node, []
     n.cfg, n.errors, n._error = cfg, errors, errors.append
-    n.averager = SimpleNamespace(policy=SimpleNamespace(max_loss_increase=0.5))
-    n.fetcher = StateFetcher(client, new(0).objective, self_peer="me")
+    n.opts = SimpleNamespace(state_sources=2)
+    n.trainer = new(1)   # the node's own block (m = 1), run here by the judge
+    held = {}
+
+    def state_judge(trainer, hops):
+        held.update(hops)
+        block1 = hops[1]
+        return ChainJudge(trainer.objective, 0, lambda hop: trainer.objective.score([hop, block1], trainer.check_windows).ce,
+                          trainer.module, 0.5)
+
+    n.state_judge = state_judge
+    n.fetcher = StateFetcher(client, new(0).objective, self_peer="me", config_hash=cfg.config_hash)
     n.fetcher.ranking.record_success("nan", 0.01)     # asked first: measured good before (strangers go in random order)
     n.fetcher.ranking.record_success("other", 0.02)
     n.new_trainer = new
     rec = lambda p: SimpleNamespace(peer_id=p, block_index=0, state="online", is_live=True, step=0)   # noqa: E731
     holders = {0: [rec(p) for p in ("nan", "other", "good")]}
     trainer, got = r._download(0, holders)
-    assert got.peer == "good" and trainer.step == 7
+    assert got.peer == "good" and trainer.step == 7 and got.score is not None
+    assert list(held) == [1]   # the node's own block m ran in process
     assert all(torch.equal(trainer.module.state_dict()[k], v) for k, v in honest.items())
     assert any("not finite" in e for e in errors) and any("config hash" in e for e in errors), errors
     # no acceptable offer: the move is refused, nothing adopted

@@ -7,8 +7,9 @@ round: rounds run in their own thread, and the accepted *change* (group mean - t
 sent) is handed to the trainer, which adds it to the live weights, so steps taken during the round
 are kept. The weights go straight into the averager's buffers and the change is read there in
 place (p2p/averager.py): a round holds no copy of the block of ours, except the weights sent, kept
-for the check loss of objectives judged by it. The averager also serves the block's current state
-to late joiners (:meth:`download_state`).
+for the check loss of objectives judged by it. A block's state is not downloaded through the
+averager (hivemind's state sharing stays off): late joiners and movers fetch it over the block RPC
+from announced holders and judge it (``node/state_fetch.py``).
 """
 from __future__ import annotations
 
@@ -71,32 +72,6 @@ class BlockAverager:
 
     def traffic(self) -> dict:
         return self.handle.traffic()
-
-    # -- late joiners -----------------------------------------------------------------------------
-    def share_state(self) -> None:
-        """Offer this block's state to downloaders, the most trained first (priority = local step).
-        Called once the state is worth having (the node is online, or a move downloaded it) and
-        after each scheduled round so the priority follows training."""
-        self.handle.share_state(float(self.trainer.step))
-
-    def download_state(self, timeout: float = 30.0) -> dict | None:
-        """Adopt the block's current state from a live holder; returns its metadata, or None if no
-        holder answered. Raises ValueError for an offer that fails the checks (nothing adopted)."""
-        got = self.handle.download_state(timeout=timeout)
-        if got is None:
-            return None
-        meta, tensors = got
-        t = self.trainer
-        if meta.get("config_hash") != t.cfg.config_hash:
-            raise ValueError("a peer offered state for a different config; refusing it")
-        t.check_parameters(tensors)
-        # a chain-trained block (pipeline) has no loss alone: shape and finiteness are all we check
-        fresh, offered = (t.check_loss(), t.check_loss_of(tensors)) if t.judges_by_loss else (0.0, 0.0)
-        if not offered < fresh + self.policy.max_loss_increase:   # NaN fails too
-            raise ValueError(f"a peer offered block state whose held-out check loss ({offered:.3f}) is worse "
-                             f"than this block's own ({fresh:.3f}); refusing it")
-        t.adopt_parameters(tensors, step=int(meta.get("step", 0)), samples_seen=int(meta.get("samples_seen", 0)))
-        return meta
 
     # -- one round --------------------------------------------------------------------------------
     def round(self) -> Verdict | None:

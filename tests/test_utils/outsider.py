@@ -12,7 +12,9 @@ answers one JSON line per command on stdin:
 * ``sybils``: N fresh RSA identities announce themselves as holders of one block (valid
   signatures, claimed throughput 10^6 samples/s); ``stall`` of them run a real p2p daemon that
   accepts the block's hop streams and state downloads (or, ``stall_kind="train"``, its pipeline micro-batches) and never
-  answers, the rest list an address nobody answers on;
+  answers, the rest list an address nobody answers on; with ``offer_file`` (a ``torch.save``d dict of
+  named tensors) the daemons answer state downloads with those tensors instead, well-formed on the
+  wire, claiming 10^9 steps (hops still stall);
 * ``taken``: how many requests the stalling daemons have taken (and held) so far;
 * ``quit``.
 """
@@ -76,6 +78,9 @@ class ManyKeysSigner(RecordValidatorBase):
 
 
 _TAKEN = [0]   # per staller process: requests taken and held
+_OFFER: dict = {}   # per staller process with an offer: name -> tensor it serves as the block's state
+_OFFER_META: dict = {}   # and the config hash it claims for it
+WIRE_VERSION, CHUNK = 1, 1 << 20   # the block RPC's wire version and its streamed part size, as read off the wire
 
 
 async def _taken(_dht, node) -> int:   # runs in a staller's DHT process
@@ -99,8 +104,22 @@ class BlockService(ServicerBase):
     async def rpc_state(self, request: runtime_pb2.ExpertRequest, context: P2PContext
                         ) -> AsyncIterator[runtime_pb2.ExpertResponse]:   # a state download: taken, never answered
         _TAKEN[0] += 1
-        await asyncio.sleep(3600)
-        yield runtime_pb2.ExpertResponse()
+        if not _OFFER:
+            await asyncio.sleep(3600)
+            yield runtime_pb2.ExpertResponse()
+            return
+        rid = json.loads(request.metadata).get("request_id", "")   # a well-formed answer: metadata, then parts
+        head = {"v": WIRE_VERSION, "ok": True, "request_id": rid, "names": list(_OFFER),
+                "meta": {"step": 10 ** 9, "samples_seen": 10 ** 9, "config_hash": _OFFER_META["config_hash"]}}
+        yield runtime_pb2.ExpertResponse(metadata=json.dumps(head).encode())
+        for t in _OFFER.values():
+            buf = t.contiguous().numpy().tobytes()
+            chunks = max(1, -(-len(buf) // CHUNK))
+            yield runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(
+                buffer=buf[:CHUNK], size=list(t.shape), dtype="float32", compression=runtime_pb2.CompressionType.NONE,
+                chunks=chunks)])
+            for start in range(CHUNK, len(buf), CHUNK):
+                yield runtime_pb2.ExpertResponse(tensors=[runtime_pb2.Tensor(buffer=buf[start:start + CHUNK])])
 
 
 class PipelineService(ServicerBase):
@@ -122,7 +141,12 @@ async def _add_signer(_dht, node, signer: ManyKeysSigner) -> None:   # runs in t
     node.protocol.record_validator.extend([signer])
 
 
-async def _serve_stalling(_dht, node, namespace: str, kind: str = "hop") -> None:   # in the staller's DHT process
+async def _serve_stalling(_dht, node, namespace: str, kind: str = "hop", offer_file: str | None = None,
+                          config_hash: str = "") -> None:   # in the staller's DHT process
+    if offer_file is not None:
+        import torch
+        _OFFER.update({k: v.detach().to(torch.float32) for k, v in torch.load(offer_file).items()})
+        _OFFER_META["config_hash"] = config_hash
     await STALLERS[kind][0]().add_p2p_handlers(node.p2p, namespace=namespace)
 
 
@@ -169,9 +193,11 @@ class Outsider:
         m = self.forge_manifest(fake_run, "wikitext-2", config_hash="0123456789abcdef")
         return {"index": bool(index), "manifest": m}
 
-    def sybils(self, run_id: str, block: int, config_hash: str, n: int, stall: int = 0, stall_kind: str = "hop") -> dict:
+    def sybils(self, run_id: str, block: int, config_hash: str, n: int, stall: int = 0, stall_kind: str = "hop",
+               offer_file: str | None = None) -> dict:
         """``n`` holder records of ``block`` under fresh keys; the first ``stall`` of them real daemons whose handler
-        (hop: ``stall_kind="hop"``; micro-batches: ``"train"``) takes a request and never answers."""
+        (hop: ``stall_kind="hop"``; micro-batches: ``"train"``) takes a request and never answers, or with
+        ``offer_file`` answers state downloads with the tensors in that file."""
         keys = [RSAPrivateKey() for _ in range(n)]
         # the DHT runs in its own process: hand it signers holding the new keys, a few keys per
         # message (hivemind's pipe to its DHT process fails on messages larger than the pipe buffer)
@@ -186,7 +212,7 @@ class Outsider:
             d = DHT(initial_peers=[self.initial_peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                     identity_path=path, check_if_identity_free=False, client_mode=False)
             self.stallers.append(d)
-            d.run_coroutine(partial(_serve_stalling, kind=stall_kind,
+            d.run_coroutine(partial(_serve_stalling, kind=stall_kind, offer_file=offer_file, config_hash=config_hash,
                                     namespace=STALLERS[stall_kind][1].format(run=run_id, block=block)))
             stall_addrs[peer_id_of(k)] = [str(m) for m in d.get_visible_maddrs()]
         records = []

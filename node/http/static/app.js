@@ -171,9 +171,17 @@
     setText("self-loss", Number.isFinite(s.loss) && s.loss !== null ? fmtNum(s.loss, 4) : null);
     setText("self-uptime", fmtDuration(s.uptime_s));
     setText("self-origin", s.resumed ? "its checkpoint (resumed)"
-            : s.downloaded_state ? "state downloaded from a peer" : "fresh initialisation");
+            : s.downloaded_state ? describeDownload(s.late_join) : "fresh initialisation");
     setText("self-reach", s.reachability);
     setText("self-rebalance", describeRebalance(s.rebalance));
+  }
+
+  function describeDownload(j) {
+    // the late join kept the best of the states it compared (node/state_fetch.py fetch_best)
+    if (!j || !j.from) return "state downloaded from a peer";
+    const n = (j.compared || []).length;
+    const judged = j.judged_by === "chain ce" ? "the chain's held-out CE" : "its held-out check loss";
+    return "state downloaded from " + shortId(j.from) + (n > 1 ? " (best of " + n + " offers by " + judged + ")" : "");
   }
 
   function describeRebalance(r) {
