@@ -1,5 +1,6 @@
-"""How long a real block takes to reach a new holder: a late joiner's download (the node's own path:
-the averager's state download, the block RPC as fallback) and the block RPC a rebalancing move uses
+"""How long a real block takes to reach a new holder: a late joiner's download (the node's own path: the
+block RPC, each offer judged, ``StateFetcher.fetch_best``; until 2026-12-06 hivemind's state download
+first) and the block RPC a rebalancing move uses
 (``StateFetcher.fetch``, timed in a separate client process), for blocks larger than the tests' tiny
 ones (default d_model 512 x 4 layers, ~12.6M parameters, ~50 MB fp32), on 127.0.0.1 and between two
 network namespaces whose links are limited to 20 Mbit/s (``tc tbf``, :mod:`test_utils.netns`).
