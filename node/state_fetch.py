@@ -98,6 +98,8 @@ class StateFetcher:
             if self.config_hash is not None and meta.get("config_hash") != self.config_hash:
                 raise ValueError("its config hash differs from the run's")
             module = self.build_checked(self.objective, b, tensors)
+            if module is not None:   # keep the block's own tensors (the same storage), not the download's too
+                tensors = {k: v.detach() for k, v in module.state_dict().items()}
         except Exception as e:  # a holder that left or sent junk: try the next one
             self.ranking.record_failure(peer, str(e))
             if errors is not None:
