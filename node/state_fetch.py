@@ -138,7 +138,8 @@ class StateFetcher:
             fetched, module = got
             try:
                 score = judge(module)
-            except ValueError as e:
+            except ValueError as e:   # worse than a fresh block: ranked as a failed holder (asked last next time)
+                self.ranking.record_failure(peer, f"offered a refused state: {e}")
                 compared.append({"peer": peer, "refused": str(e)})
                 if errors is not None:
                     errors.append(f"state of block {b} from {peer} refused: {e}")

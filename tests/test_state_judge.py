@@ -71,6 +71,9 @@ def test_a_block_local_download_keeps_the_best_check_loss_not_the_first_offer():
     assert scores["honest"] < scores["sybil"] < judge.fresh + MARGIN, (scores, judge.fresh)
     assert "refused" in got.compared[1] and "check loss" in got.compared[1]["refused"]
     assert any("from damaged refused" in e for e in errors), errors
+    rec = fetcher.ranking.known("damaged")   # a refused offer counts as its holder's failure (ranked lower next time)
+    assert rec.failures == 1 and "refused state" in rec.last_failure
+    assert fetcher.ranking.known("sybil").failures == 0   # a state that only scored worse is no failure
 
     # one source: the first acceptable offer, whatever it is worth (what a late join did before)
     first = StateFetcher(client, joiner.objective, self_peer="me", config_hash=cfg.config_hash)
