@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -124,35 +125,41 @@ class StateFetcher:
                    timeout: float | None = None) -> Fetched | None:
         """The best of the checked states of block ``b`` that up to ``sources`` holders deliver, by ``judge``
         (lower is better; a judged state beats one that could not be judged; among those the first);
-        None if no holder delivered an acceptable one. A state the judge refuses does not count as a
-        source (the next holder is asked). Holds at most two states at a time (the best so far and the
-        one being judged)."""
+        None if no holder delivered an acceptable one. A state the judge refuses, or a download that fails,
+        does not count as a source (the next holder is asked). The states still wanted are downloaded in
+        parallel (each holder's uplink is usually what limits a transfer, not the downloader's link), then
+        judged one by one; at most ``sources`` states plus the best so far are held at a time."""
         if sources < 1:
             raise ValueError(f"sources must be >= 1, got {sources}")
         best: Fetched | None = None
         compared: list[dict] = []
-        for peer in self.order(holders):
-            got = self._download(peer, b, timeout, errors)
-            if got is None:
-                continue
-            fetched, module = got
-            try:
-                score = judge(module)
-            except ValueError as e:   # worse than a fresh block: ranked as a failed holder (asked last next time)
-                self.ranking.record_failure(peer, f"offered a refused state: {e}")
-                compared.append({"peer": peer, "refused": str(e)})
-                if errors is not None:
-                    errors.append(f"state of block {b} from {peer} refused: {e}")
-                    del errors[:-50]
-                continue
-            finally:
-                del module
-            fetched.score = score
-            compared.append({"peer": peer, "score": None if score is None else round(score, 4)})
-            if best is None or (score is not None and (best.score is None or score < best.score)):
-                best = fetched
-            if len([c for c in compared if "refused" not in c]) >= sources:
-                break
+        order = self.order(holders)
+        with ThreadPoolExecutor(max_workers=sources, thread_name_prefix="bt-state") as pool:
+            while order and len([c for c in compared if "refused" not in c]) < sources:
+                want = sources - len([c for c in compared if "refused" not in c])
+                batch, order = order[:want], order[want:]
+                downloads = [pool.submit(self._download, peer, b, timeout, errors) for peer in batch]
+                for peer, future in zip(batch, downloads):
+                    got = future.result()
+                    if got is None:
+                        continue
+                    fetched, module = got
+                    try:
+                        score = judge(module)
+                    except ValueError as e:   # worse than a fresh block: ranked as a failed holder (asked last next time)
+                        self.ranking.record_failure(peer, f"offered a refused state: {e}")
+                        compared.append({"peer": peer, "refused": str(e)})
+                        if errors is not None:
+                            errors.append(f"state of block {b} from {peer} refused: {e}")
+                            del errors[:-50]
+                        continue
+                    finally:
+                        del module, got
+                    fetched.score = score
+                    compared.append({"peer": peer, "score": None if score is None else round(score, 4)})
+                    if best is None or (score is not None and (best.score is None or score < best.score)):
+                        best = fetched
+                    del fetched
         if best is not None:
             best.compared = compared
         return best

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from blocktrain.bench.sim import SimSettings, run_simulation, simulate
-from blocktrain.bench.sim.engine import Simulation
+from blocktrain.bench.sim.engine import READY, Simulation
 from blocktrain.cli.main import cli
 from blocktrain.node.routing.selection import RebalancePolicy
 
@@ -204,3 +204,22 @@ def test_a_move_that_would_empty_its_old_block_is_abandoned():
     sim.leave(1, None, graceful=True)
     sim.ready_event(0, (sim.session[0], 1))
     assert sim.block[0] == 1 and sim.ready == [1, 2] and sim.abandoned == 0
+
+
+def test_judged_downloads_take_one_transfer_per_state_compared():
+    """``state_sources`` / ``transfer_s`` (the node's judged download, node/state_fetch.py): a join fetches
+    min(sources, the block's announced ready holders) states, each adding ``transfer_s``; no extra draw, so
+    the same member's READY event moves by exactly that much."""
+    def ready_at(**kw) -> float:
+        sim = Simulation(replace(STILL, members=5, blocks=2, initial_layout=(0, 0, 1, 1), warmup_h=0.0, **kw))
+        sim.start()
+        sim.join(4)
+        (t,) = [t for t, _, kind, m, _ in sim.heap if m == 4 and kind == READY]
+        return t
+
+    base = ready_at()
+    assert ready_at(transfer_s=100.0) == pytest.approx(base + 100.0)                    # 1 source (the default)
+    assert ready_at(transfer_s=100.0, state_sources=2) == pytest.approx(base + 200.0)   # 2 ready holders: 2 states
+    assert ready_at(transfer_s=100.0, state_sources=4) == pytest.approx(base + 200.0)   # no more than are ready
+    with pytest.raises(ValueError, match="state_sources"):
+        replace(STILL, state_sources=0).validate()

@@ -235,6 +235,7 @@ class Simulation:
             assert block_load(view, s.blocks) == (self.cnt, [float(x) for x in self.tp]), "view out of step"
             assert ready_load(view, s.blocks) == self.rdy, "ready view out of step"
             assert choose_block(view, s.blocks) == b
+        download += s.transfer_time_s(self.rdy[b])   # judged download: one transfer per state compared
         self.set_rec(m, b, "joining")
         self.set_pending(m, b)
         self.push(self.now + download, READY, m, (self.session[m], b))
@@ -357,7 +358,7 @@ class Simulation:
             if t is None:
                 continue
             neediest = None
-            download = s.draw_move_s(self.move_rng)
+            download = s.draw_move_s(self.move_rng) + s.transfer_time_s(rdy[t])
             self.set_pending(m, t, move=True)
             self.switch_t[m] = self.now + download
             self.set_rec(m, t, "joining")

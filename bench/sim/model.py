@@ -39,6 +39,9 @@ ASSUMED = {
              "move, tests/test_rebalance_network.py, against 43.7-97.5 s restart to serving: a move starts no process "
              "and joins no DHT; a real block adds its size over the uplink to both: a 58.7 MB block's move download "
              "took 25 s over 20 Mbit/s, BENCHMARKS.md 'Move time for a real block')",
+    "sources": "a join or a move downloads min(state_sources, the block's announced ready holders) states and "
+               "judges them (the node's --state-sources, default 2); each adds transfer_s to its time (default 0: "
+               "the calibrated download is a tiny block's; a 58.7 MB block over 20 Mbit/s took 24.9 s)",
 }
 
 
@@ -59,6 +62,10 @@ class SimSettings:
     download_median_s: float = 60.0
     download_sigma: float = 0.8
     move_median_s: float | None = None  # a rebalancing move's download (no process start); None: as a join's
+    # judged downloads (node/state_fetch.py fetch_best): a join or a move fetches min(state_sources, announced
+    # ready holders) states, each adding transfer_s (one block state over the member's link) to its time
+    state_sources: int = 1
+    transfer_s: float = 0.0
     graceful_fraction: float = 0.5
     ttl_s: float = 30.0                 # announcement TTL; refreshed (and rebalancing checked) every TTL/3
     round_period_s: float = 60.0
@@ -85,6 +92,9 @@ class SimSettings:
             raise ValueError(f"members and blocks must be >= 1, got {self.members}, {self.blocks}")
         if self.move_median_s is not None and not self.move_median_s > 0:
             raise ValueError(f"move_median_s must be > 0, got {self.move_median_s}")
+        if self.state_sources < 1 or not self.transfer_s >= 0:
+            raise ValueError(f"state_sources must be >= 1 and transfer_s >= 0, got {self.state_sources}, "
+                             f"{self.transfer_s}")
         if not self.days > 0 or self.warmup_h < 0:
             raise ValueError(f"days must be > 0 and warmup_h >= 0, got {self.days}, {self.warmup_h}")
         if self.session_dist not in ("lognormal", "pareto", "none"):
@@ -134,6 +144,10 @@ class SimSettings:
 
     def draw_gap_s(self, r: random.Random) -> float:
         return r.expovariate(self.join_rate_per_day / DAY)
+
+    def transfer_time_s(self, ready_holders: int) -> float:
+        """What fetching the block's states adds to a join or a move (one transfer per state compared)."""
+        return self.transfer_s * min(self.state_sources, ready_holders)
 
     def draw_download_s(self, r: random.Random) -> float:
         return r.lognormvariate(math.log(self.download_median_s), self.download_sigma)
