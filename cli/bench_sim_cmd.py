@@ -58,9 +58,12 @@ def simulate_table(res: dict) -> Table:
               help="Median time of a rebalancing move (state download only: no process start) [as a join].")
 @click.option("--state-sources", type=click.IntRange(1, 16), default=None,
               help="States a join or a move downloads and judges (the node's --state-sources), at most the "
-                   "block's ready holders; each adds --transfer-s [1].")
+                   "block's ready holders [1].")
 @click.option("--transfer-s", type=click.FloatRange(0), default=None,
-              help="Seconds to carry one block state over a member's link, added per state fetched [0].")
+              help="Seconds to carry one block state over a holder's uplink [0].")
+@click.option("--parallel-states", type=click.IntRange(1, 16), default=None,
+              help="States a member's downlink carries at once at a holder's uplink speed: a join or a move "
+                   "takes --transfer-s x ceil(states / this) more [1].")
 @click.option("--round-window-s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Averaging round window (matchmaking + all-reduce), seconds [8].")
 @click.option("--hop-failure", type=click.FloatRange(0, 1, max_open=True), default=None,
@@ -91,7 +94,7 @@ def simulate_table(res: dict) -> Table:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @friendly
 def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, session_dist, session_median_h,
-                       session_sigma, pareto_alpha, download_median_s, move_median_s, state_sources, transfer_s, round_window_s, hop_failure, graceful, policy, min_surplus, min_keep,
+                       session_sigma, pareto_alpha, download_median_s, move_median_s, state_sources, transfer_s, parallel_states, round_window_s, hop_failure, graceful, policy, min_surplus, min_keep,
                        min_dwell_s, urgent_below, urgent_inflight, reserve_below, reserve_inflight, seeds, seed, plot, record, as_json):
     """Simulate a volunteer network under churn: block coverage, averaging, generation, moves.
 
@@ -115,6 +118,7 @@ def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, sessi
     named = {"join_rate_per_day": join_rate, "session_dist": session_dist, "session_median_h": session_median_h,
              "session_sigma": session_sigma, "pareto_alpha": pareto_alpha, "download_median_s": download_median_s,
              "move_median_s": move_median_s, "state_sources": state_sources, "transfer_s": transfer_s,
+             "parallel_states": parallel_states,
              "round_window_s": round_window_s, "hop_failure": hop_failure,
              "graceful_fraction": graceful}
     overrides = {k: v for k, v in named.items() if v is not None}

@@ -80,7 +80,9 @@ def node_options(fn):
                      help="How many holders' states a late join or a move downloads and compares before "
                           "training one: it keeps the one with the best held-out loss (its own check loss, "
                           "or the chain's with it in place), so a holder offering an untrained or damaged "
-                          "block loses to an honest one. 1 takes the first acceptable state (one download)."),
+                          "block loses to an honest one. They download at once; on a downlink no faster than a "
+                          "holder's uplink each extra source adds one transfer: 1 takes the first acceptable "
+                          "state (one download)."),
         click.option("--announce-ttl", "ttl", type=click.FloatRange(6, 3600), default=30.0, show_default=True,
                      help="Seconds this node's announcement lives in the DHT; it is refreshed every third of "
                           "it, and the rebalancing check runs as often. A node that dies unannounced drops "

@@ -207,9 +207,9 @@ def test_a_move_that_would_empty_its_old_block_is_abandoned():
 
 
 def test_judged_downloads_take_one_transfer_per_state_compared():
-    """``state_sources`` / ``transfer_s`` (the node's judged download, node/state_fetch.py): a join fetches
-    min(sources, the block's announced ready holders) states, each adding ``transfer_s``; no extra draw, so
-    the same member's READY event moves by exactly that much."""
+    """``state_sources`` / ``transfer_s`` / ``parallel_states`` (the node's judged download, node/state_fetch.py):
+    a join fetches min(sources, the block's announced ready holders) states at once, ``parallel_states`` of them
+    at a holder's uplink speed; no extra draw, so the same member's READY event moves by exactly that much."""
     def ready_at(**kw) -> float:
         sim = Simulation(replace(STILL, members=5, blocks=2, initial_layout=(0, 0, 1, 1), warmup_h=0.0, **kw))
         sim.start()
@@ -221,5 +221,6 @@ def test_judged_downloads_take_one_transfer_per_state_compared():
     assert ready_at(transfer_s=100.0) == pytest.approx(base + 100.0)                    # 1 source (the default)
     assert ready_at(transfer_s=100.0, state_sources=2) == pytest.approx(base + 200.0)   # 2 ready holders: 2 states
     assert ready_at(transfer_s=100.0, state_sources=4) == pytest.approx(base + 200.0)   # no more than are ready
+    assert ready_at(transfer_s=100.0, state_sources=2, parallel_states=2) == pytest.approx(base + 100.0)   # a fast downlink
     with pytest.raises(ValueError, match="state_sources"):
         replace(STILL, state_sources=0).validate()

@@ -23,7 +23,8 @@ ASSUMED = {
     "sessions": "heavy-tailed session lengths (log-normal or Pareto, parameters above); offline gaps exponential",
     "download": "block download time log-normal, median 60 s, sigma 0.8 (p95 ~3.7 min); the 16-node run measured "
                 "43.7 s from process start to serving on 2026-12-01 (97.5 s on 2026-11-30; tiny blocks, loaded 2-core "
-                "machine), and a 58.7 MB block's late-join download over 20 Mbit/s 49.8 s (BENCHMARKS.md)",
+                "machine), and a 58.7 MB block's late-join download over 20 Mbit/s 24.9 s (49.8 s until 2026-12-06, when "
+                "the late join first tried the averager; BENCHMARKS.md)",
     "graceful": "half of the leaves withdraw their announcement at once; the others' records live out their TTL",
     "dht": "announcements are visible to everyone as soon as they are stored (no propagation delay)",
     "averaging": "a round per block every 60 s (the node's default --average-clock 60 gives each block one such "
@@ -39,9 +40,11 @@ ASSUMED = {
              "move, tests/test_rebalance_network.py, against 43.7-97.5 s restart to serving: a move starts no process "
              "and joins no DHT; a real block adds its size over the uplink to both: a 58.7 MB block's move download "
              "took 25 s over 20 Mbit/s, BENCHMARKS.md 'Move time for a real block')",
-    "sources": "a join or a move downloads min(state_sources, the block's announced ready holders) states and "
-               "judges them (the node's --state-sources, default 2); each adds transfer_s to its time (default 0: "
-               "the calibrated download is a tiny block's; a 58.7 MB block over 20 Mbit/s took 24.9 s)",
+    "sources": "a join or a move downloads min(state_sources, the block's announced ready holders) states at once "
+               "and judges them (the node's --state-sources, default 2); they add transfer_s x ceil(states / "
+               "parallel_states) to its time (default transfer 0: the calibrated download is a tiny block's; a 58.7 MB "
+               "block over 20 Mbit/s links took 24.9 s for one state, 49.6 s for two through a 20 Mbit/s downlink, "
+               "25.2 s for two through an unlimited one)",
 }
 
 
@@ -63,9 +66,11 @@ class SimSettings:
     download_sigma: float = 0.8
     move_median_s: float | None = None  # a rebalancing move's download (no process start); None: as a join's
     # judged downloads (node/state_fetch.py fetch_best): a join or a move fetches min(state_sources, announced
-    # ready holders) states, each adding transfer_s (one block state over the member's link) to its time
+    # ready holders) states at once; transfer_s is one block state over a holder's uplink, and the member's
+    # downlink carries parallel_states of them at that speed (1: its link is as slow as theirs)
     state_sources: int = 1
     transfer_s: float = 0.0
+    parallel_states: int = 1
     graceful_fraction: float = 0.5
     ttl_s: float = 30.0                 # announcement TTL; refreshed (and rebalancing checked) every TTL/3
     round_period_s: float = 60.0
@@ -92,9 +97,9 @@ class SimSettings:
             raise ValueError(f"members and blocks must be >= 1, got {self.members}, {self.blocks}")
         if self.move_median_s is not None and not self.move_median_s > 0:
             raise ValueError(f"move_median_s must be > 0, got {self.move_median_s}")
-        if self.state_sources < 1 or not self.transfer_s >= 0:
-            raise ValueError(f"state_sources must be >= 1 and transfer_s >= 0, got {self.state_sources}, "
-                             f"{self.transfer_s}")
+        if self.state_sources < 1 or self.parallel_states < 1 or not self.transfer_s >= 0:
+            raise ValueError(f"state_sources and parallel_states must be >= 1 and transfer_s >= 0, got "
+                             f"{self.state_sources}, {self.parallel_states}, {self.transfer_s}")
         if not self.days > 0 or self.warmup_h < 0:
             raise ValueError(f"days must be > 0 and warmup_h >= 0, got {self.days}, {self.warmup_h}")
         if self.session_dist not in ("lognormal", "pareto", "none"):
@@ -146,8 +151,9 @@ class SimSettings:
         return r.expovariate(self.join_rate_per_day / DAY)
 
     def transfer_time_s(self, ready_holders: int) -> float:
-        """What fetching the block's states adds to a join or a move (one transfer per state compared)."""
-        return self.transfer_s * min(self.state_sources, ready_holders)
+        """What fetching the block's states adds to a join or a move: the states compared, downloaded at once,
+        ``parallel_states`` of them at a holder's uplink speed."""
+        return self.transfer_s * math.ceil(min(self.state_sources, ready_holders) / self.parallel_states)
 
     def draw_download_s(self, r: random.Random) -> float:
         return r.lognormvariate(math.log(self.download_median_s), self.download_sigma)
