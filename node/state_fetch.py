@@ -146,7 +146,7 @@ class StateFetcher:
                     fetched, module = got
                     try:
                         score = judge(module)
-                    except ValueError as e:   # worse than a fresh block: ranked as a failed holder (asked last next time)
+                    except Exception as e:   # refused (ValueError), or the state broke the judge: ranked as a failed holder
                         self.ranking.record_failure(peer, f"offered a refused state: {e}")
                         compared.append({"peer": peer, "refused": str(e)})
                         if errors is not None:

@@ -159,3 +159,24 @@ def test_the_states_still_wanted_are_downloaded_at_once():
     errors: list[str] = []
     got = fetcher.fetch_best(0, _holders(fetcher, ["a", "b"]), LossJudge(joiner, MARGIN), sources=2, errors=errors)
     assert got is not None and len(got.compared) == 2 and not errors, (got, errors)
+
+
+def test_a_state_that_breaks_the_judge_is_refused_not_raised():
+    """Whatever a state does to the judge (here it raises), the download goes on to the next holder: a
+    hostile offer must not stop a late join."""
+    cfg = tiny_config(objective="paper", n_blocks=2)
+    joiner = BlockTrainer(cfg, 0, TRAIN, HELD_OUT, seed=0)
+    state = joiner.module.state_dict()
+    client = _States({"odd": (_meta(cfg, 5), state), "fine": (_meta(cfg, 5), state)})
+    fetcher = StateFetcher(client, joiner.objective, self_peer="me", config_hash=cfg.config_hash)
+    calls = []
+
+    def judge(module):
+        calls.append(module)
+        if len(calls) == 1:
+            raise RuntimeError("the check loss could not be computed")
+        return 1.0
+
+    got = fetcher.fetch_best(0, _holders(fetcher, ["odd", "fine"]), judge, sources=1)
+    assert got is not None and got.score == 1.0
+    assert "refused" in got.compared[0] and "could not be computed" in got.compared[0]["refused"]
