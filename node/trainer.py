@@ -1,8 +1,8 @@
 """Trains ONE block on this worker: its module, its optimizer, its data stream, nothing else.
 
 The trainer is the only code that writes its block's weights: optimizer steps, an accepted
-averaging round (:meth:`apply_change`), a downloaded state (:meth:`adopt_parameters`,
-:meth:`load_state`) and a resumed checkpoint all go through it, under ``self.lock`` (the training
+averaging round (:meth:`apply_change`), a downloaded state (:meth:`load_state`), given weights
+(:meth:`adopt_parameters`) and a resumed checkpoint all go through it, under ``self.lock`` (the training
 loop, hop serving and averaging run in different threads).
 
 Objectives that ``needs_upstream`` (forward-chained) train block b on the outputs of blocks < b:
@@ -275,16 +275,8 @@ class BlockTrainer:
             self.samples_since_average = 0
             self.weights_version += 1
 
-    def check_parameters(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Raise ValueError unless ``tensors`` fit this block's parameters and are finite."""
-        params = list(self.module.parameters())
-        if len(tensors) != len(params) or any(t.shape != p.shape for t, p in zip(tensors, params)):
-            raise ValueError("a peer offered block state of the wrong shape; refusing it")
-        if not all(bool(torch.isfinite(t).all()) for t in tensors):
-            raise ValueError("a peer offered non-finite block state; refusing it")
-
     def adopt_parameters(self, tensors: Sequence[torch.Tensor], *, step: int, samples_seen: int) -> None:
-        """Replace the weights by a downloaded state (``check_parameters`` first)."""
+        """Replace the weights by ``tensors`` (in ``parameters()`` order), and the counters."""
         with self.lock:
             for p, t in zip(self.module.parameters(), tensors):
                 p.data.copy_(t.to(p.device, p.dtype))

@@ -235,7 +235,7 @@ class Simulation:
             assert block_load(view, s.blocks) == (self.cnt, [float(x) for x in self.tp]), "view out of step"
             assert ready_load(view, s.blocks) == self.rdy, "ready view out of step"
             assert choose_block(view, s.blocks) == b
-        download += s.transfer_time_s(self.rdy[b])   # judged download: one transfer per state compared
+        download += s.transfer_time_s(self.rdy[b])   # judged download: the states compared, fetched at once
         self.set_rec(m, b, "joining")
         self.set_pending(m, b)
         self.push(self.now + download, READY, m, (self.session[m], b))
