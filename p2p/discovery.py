@@ -16,7 +16,9 @@ next to each other; what readers believe of raw records lives apart, in ``dht_sc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from functools import partial
@@ -44,6 +46,7 @@ from blocktrain.p2p.reachability import (
 from blocktrain.p2p.inprocess import RunsInThread, hivemind_in
 from blocktrain.p2p.process import DroppingPipe, StopsWithParent, detach_spawned_daemons, stop_process
 from blocktrain.p2p.records import PROTOCOL_VERSION, BlockAnnouncement, RunManifest, validate_run_id
+from blocktrain.p2p.runtime_dir import use_runtime_dir
 
 __all__ = [
     "Discovery", "DEFAULT_TTL", "MANIFEST_TTL", "ConfigMismatchError", "RunNotFoundError",
@@ -103,8 +106,29 @@ class _NodeDHT(RunsInThread, StopsWithParent, DHT):
             replica = self._bt_replicas[loop] = await P2P.replicate(maddr)
         return replica
 
+    def bt_close_replicas(self, timeout: float = 2.0) -> None:
+        """Shut down the replicas :meth:`replicate_p2p` made (hivemind never does: each kept its client
+        socket file until the process exited), each on its own loop while that loop runs."""
+        replicas, self._bt_replicas = getattr(self, "_bt_replicas", {}), {}
+        for loop, replica in replicas.items():
+            try:
+                if loop.is_running() and not loop.is_closed() and not _running_in(loop):
+                    asyncio.run_coroutine_threadsafe(replica.shutdown(), loop).result(timeout)
+            except Exception as e:   # stopping anyway
+                logger.debug("closing a P2P replica: %s", e)
+            finally:
+                with contextlib.suppress(Exception):
+                    os.remove(replica._client_listen_maddr["unix"])
+
     async def _bt_dropped(self) -> None:
         return None
+
+
+def _running_in(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 BOOTSTRAP_ATTEMPTS = 5        # DHT starts through initial peers that did not answer a ping in time
@@ -162,6 +186,7 @@ class Discovery:
         peers) and set ``self.reachability = "private"``. Public nodes answer others' dial-back requests.
         """
         in_thread = hivemind_in() == "thread"   # a bad BT_HIVEMIND_IN is refused before anything starts
+        use_runtime_dir()   # hivemind's unix sockets in a directory removed at exit (p2p/runtime_dir.py)
         peers = parse_initial_peers(list(initial_peers))
         hosts = [parse_multiaddr(m) for m in host_maddrs]
         announce = [parse_multiaddr(m, allow_port_zero=False) for m in announce_maddrs] if announce_maddrs else None
@@ -533,4 +558,6 @@ class Discovery:
 def _kill_dht(dht: DHT) -> bool:
     """Ask the DHT process to stop (it stops p2pd), then SIGKILL it if it has not within its
     shutdown timeout (it ignores SIGTERM, see p2p/process.py). False if it had to be killed."""
+    if isinstance(dht, _NodeDHT):
+        dht.bt_close_replicas()
     return stop_process(dht, dht.shutdown, timeout=dht.shutdown_timeout + 0.5)

@@ -26,6 +26,7 @@ from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
 from blocktrain.p2p.errors import IdentityError, IdentityInUseError
+from blocktrain.p2p.runtime_dir import use_runtime_dir
 
 __all__ = ["NodeIdentity", "IdentityError", "IdentityInUseError", "peer_id_from_public_key", "DEFAULT_FILENAME"]
 
@@ -169,8 +170,9 @@ class NodeIdentity:
 
     @classmethod
     def ephemeral(cls) -> "NodeIdentity":
-        """A fresh identity in a private temporary directory, deleted by :meth:`close`."""
-        tmp = tempfile.mkdtemp(prefix="bt-identity-")
+        """A fresh identity in a private temporary directory, deleted by :meth:`close` (or with this
+        process's runtime directory, p2p/runtime_dir.py, if the process dies first)."""
+        tmp = tempfile.mkdtemp(prefix="bt-identity-", dir=use_runtime_dir())
         ident = cls.load_or_create(tmp)
         ident._tmp_dir = tmp
         return ident

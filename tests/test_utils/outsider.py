@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from functools import partial
@@ -164,6 +166,7 @@ class Outsider:
         self.stallers: list[DHT] = []
         self._refresh: threading.Thread | None = None
         self._stop = threading.Event()
+        self._key_dir = tempfile.mkdtemp(prefix="outsider-keys-")   # the stallers' identities, removed by close()
 
     def maddrs(self) -> list[str]:
         return [str(m) for m in self.dht.get_visible_maddrs()]
@@ -205,7 +208,7 @@ class Outsider:
             self.dht.run_coroutine(partial(_add_signer, signer=ManyKeysSigner(keys[i:i + 4])))
         stall_addrs = {}
         for k in keys[:stall]:   # a real daemon under that identity, whose hop handler never answers
-            path = f"/tmp/outsider-{peer_id_of(k)[-12:]}.key"
+            path = f"{self._key_dir}/{peer_id_of(k)[-12:]}.key"
             with open(path, "wb") as f:
                 f.write(crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=k._private_key.private_bytes(
                     *_der_args())).SerializeToString())
@@ -255,6 +258,7 @@ class Outsider:
                 d.shutdown()
             except Exception:
                 pass
+        shutil.rmtree(self._key_dir, ignore_errors=True)
 
 
 def _der_args():
