@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-__all__ = ["LoopThread", "in_event_loop"]
+__all__ = ["LoopThread", "in_event_loop", "quiet_cancelled"]
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def in_event_loop() -> bool:
@@ -19,6 +21,20 @@ def in_event_loop() -> bool:
         return True
     except RuntimeError:
         return False
+
+
+def quiet_cancelled(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler: a CancelledError raised in a callback is a task cancelled on
+    purpose (at a stop), not an error; anything else goes to asyncio's default handler.
+
+    Why: Python 3.11's ``StreamReaderProtocol`` (3.11.7 here) calls ``task.exception()`` in the
+    done-callback of a connection handler's task without checking ``task.cancelled()``; when a node
+    stops, hivemind's stream handlers on its loops are cancelled and each printed a CancelledError
+    traceback ("Exception in callback ... connection_made") into the node's log at a clean exit."""
+    if isinstance(context.get("exception"), asyncio.CancelledError):
+        logger.debug("a callback saw a cancelled task: %s", context.get("message"))
+        return
+    loop.default_exception_handler(context)
 
 
 class LoopThread:
@@ -31,6 +47,7 @@ class LoopThread:
 
     def __init__(self, name: str = "bt-p2p-loop"):
         self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(quiet_cancelled)
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._started = threading.Event()
         self._thread.start()

@@ -1,4 +1,5 @@
-"""hivemind's unix socket files: a node keeps them in a directory of its own and leaves none behind.
+"""What a node leaves behind when it stops: hivemind's unix socket files (in a directory of its own,
+removed), and no traceback of its cancelled stream handlers in its log.
 
 Before p2p/runtime_dir.py every node left ``/tmp/hivemind-p2pclient-*.sock`` files (the replica of its RPC
 loop on every clean exit; all of its sockets when SIGKILLed). Real ``bt-node seed`` processes here: a
@@ -7,9 +8,13 @@ sweep, which leaves alone a live process's directory and another user's.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import shutil
 import signal
+import socket
+import time
 from pathlib import Path
 
 import psutil
@@ -133,3 +138,27 @@ def test_replicas_close_with_their_dht():
     finally:
         disc.shutdown(withdraw=False)
         loop.stop()
+
+
+def test_a_stopping_loop_logs_no_cancelled_handler(caplog, tmp_path):
+    """A loop stopped while a connection handler waits (hivemind's stream handlers when a node leaves)
+    cancels the handler quietly: Python 3.11's streams printed a CancelledError traceback per handler
+    into the node's log at a clean exit (p2p/aioloop.py ``quiet_cancelled``)."""
+    lt = LoopThread(name="quiet-stop-test")
+    path = str(tmp_path / "s.sock")
+
+    async def handler(reader, writer):
+        await asyncio.sleep(3600)
+
+    lt.run(asyncio.start_unix_server(handler, path), timeout=10)
+    client = socket.socket(socket.AF_UNIX)
+    try:
+        client.connect(path)
+        time.sleep(0.3)   # the handler's task is waiting
+        with caplog.at_level(logging.DEBUG):
+            lt.stop()
+    finally:
+        client.close()
+        lt.stop()
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, errors
