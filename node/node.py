@@ -141,6 +141,8 @@ class Node:
         self.p2p = self.loop.run(self.discovery.dht.replicate_p2p(), timeout=30)
         self._resolve_run()
         self._build_trainer()
+        if o.config is not None:   # a seeder publishes its run once its own block is built: a bad --block,
+            self.discovery.publish_manifest(self.manifest)   # --device or checkpoint leaves no run behind
         self._start_rpc()
         if not self.trainer.objective.block_local:   # pipeline / forward-streamed: train along the chain
             start_pipeline(self)
@@ -228,7 +230,7 @@ class Node:
             run_id=o.run_id, model_config=o.config.to_dict(), config_hash=o.config.config_hash,
             data_spec=published_data_spec(o.data or AUTO, self.split), target_seed=o.config.target_seed,
             protocol_version=PROTOCOL_VERSION, seeder_public_key=d.public_key, created_at=time.time())
-        d.publish_manifest(self.manifest)
+        d.trust(self.manifest)   # read the run as its seeder; published by start() once the block is built
 
     @property
     def run_address(self) -> str:

@@ -92,6 +92,12 @@ def test_missing_run_and_config_mismatch_are_refused(tmp_path):
         r = bt("seed", "--run-id", "errtest", "--initial-peers", sw.seed_maddr, *TINY_SETS, "--set", "d_model=48",
                "--checkpoint-dir", str(tmp_path / "j2"), timeout=180)
         one_line_error(r, "errtest")
+        # a new run's seed with a --block its config does not have: refused before its manifest is
+        # published (else a run that never trained would be readable, and its run id claimed, for the manifest's TTL)
+        r = bt("seed", "--run-id", "typo", "--initial-peers", sw.seed_maddr, *TINY_SETS, "--block", "2",
+               "--checkpoint-dir", str(tmp_path / "j3"), timeout=180)
+        one_line_error(r, "--block 2 is out of range", "2 blocks")
+        one_line_error(bt("status", "--initial-peers", sw.seed_maddr, "--run-id", "typo", timeout=180), "typo")
         # no --run-id: the signed run index in the DHT names the only live run
         r = bt("status", "--initial-peers", sw.seed_maddr, "--json", timeout=180)
         assert r.returncode == 0, r.stderr[-2000:]
