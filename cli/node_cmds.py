@@ -128,6 +128,16 @@ def _run_node(opts: NodeOptions, ready_file: str | None, quiet: bool, banner: st
         raise click.ClickException("node stopped after an error: " + node.failure)
 
 
+def join_command(run_address: str, peer_id: str, maddr: str) -> str:
+    """What another member types to join through this node: the run address pins the run's seeder, so
+    a node that is not the seeder gives its own address as the initial peer (``RUN@MULTIADDR`` would
+    pin this node as the seeder, and no manifest of it exists)."""
+    run_id, _, seeder = run_address.partition("@")
+    if seeder == peer_id:
+        return f"bt-node join --run {run_id}@{maddr}"
+    return f"bt-node join --run {run_address} --initial-peers {maddr}"
+
+
 def _announce_ready(node, opts: NodeOptions, ready_file: str | None, banner: str) -> None:
     """The ready file (for scripts) and the banner, with the ports the node actually bound."""
     st = node.snapshot()
@@ -144,9 +154,10 @@ def _announce_ready(node, opts: NodeOptions, ready_file: str | None, banner: str
                       f"{st.run['n_blocks']}; data: {info['data']}")
     first = (info["maddrs"] or ["?"])[0]
     err_console.print(f"Run address: [bold]{info['run_address']}[/] (members who pass it believe only this "
-                      "run's seeder)")
-    if info["reachability"] == "public":
-        err_console.print(f"Others join with:\n  bt-node join --run {info['run_id']}@{first}")
+                      "run's seeder)", soft_wrap=True)
+    if info["reachability"] == "public":   # one unbroken line, also in a log file (rich wraps at 80 columns)
+        err_console.print(f"Others join with:\n  {join_command(info['run_address'], info['peer_id'], first)}",
+                          soft_wrap=True, markup=False, highlight=False)
     else:
         err_console.print(f"[yellow]Other peers cannot dial this node[/] (behind NAT or a firewall): it trains and "
                           f"averages, and serves its block only through a relay ({info['reachability']}; "

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import subprocess
 import sys
 
 import pytest
 
-from blocktrain.node.swarm.launcher import LocalSwarm
+from blocktrain.node.swarm.launcher import LocalSwarm, NodeProc
 from blocktrain.node.swarm.run import SWARM_DEFAULTS, plan_blocks
 
 from test_utils.configs import TEST_CORPUS, TEST_CORPUS_PROTOCOL
@@ -104,6 +105,33 @@ def test_missing_run_and_config_mismatch_are_refused(tmp_path):
         st = json.loads(r.stdout)
         assert st["run"]["run_id"] == "errtest" and len(st["blocks"]) == 2
         assert st["blocks"][0]["holders"] and not st["blocks"][1]["holders"]
+    finally:
+        sw.stop_all()
+
+
+def _join_line(node: NodeProc) -> list[str]:
+    """The command a node prints for others to join through it (one line, unbroken, even in a log file)."""
+    lines = node.log_file.read_text().splitlines()
+    i = lines.index("Others join with:")
+    argv = shlex.split(lines[i + 1])
+    assert argv[:2] == ["bt-node", "join"], lines[i + 1]
+    return argv[1:]
+
+
+def test_every_nodes_join_line_joins_the_run(tmp_path):
+    """The seeder's line and a member's line both join the seeder's run (a member's used to pin the member
+    itself as the seeder: ``no manifest of run ... by seeder <member>``)."""
+    sw = LocalSwarm(tmp_path / "net", run_id="joinline", overrides=SWARM_DEFAULTS + ["n_blocks=2", "objective=paper"],
+                    data=str(TEST_CORPUS))
+    try:
+        seed = sw.start_seed(block=0)
+        member = sw.start_join(block=1)
+        for name, via in (("via-seed", seed), ("via-member", member)):
+            n = NodeProc(name, [*_join_line(via), "--data", str(TEST_CORPUS), "--max-steps", "1"], tmp_path / name)
+            sw.nodes.append(n)
+            n.start()
+            info = n.wait_ready()
+            assert info["run_address"] == seed.wait_ready()["run_address"], (name, info)
     finally:
         sw.stop_all()
 
