@@ -322,13 +322,18 @@ def pipeline_options(fn):
               help="What the run trains on: wikitext-2 / wikitext-103 (members fetch it by name), a local file "
                    "or folder (the manifest then carries only its sha256: members bring a copy with --data), "
                    "or 'auto' = shared WikiText-2 if present, else HF wikitext-2, else the Python stdlib's text.")
+@click.option("--manifest-ttl", type=click.FloatRange(10, 30 * 86400), default=86400.0, show_default=True,
+              help="Seconds each store of the run's manifest lives in the DHT. This node re-stores it every "
+                   "quarter of that (at most every 10 minutes) while it runs, and every member keeps copies "
+                   "signed by this node's key, so the run stays joinable after the seeder leaves while any "
+                   "member runs.")
 @config_options(default_objective=NEW_RUN_OBJECTIVE)
 @node_options
 @private_run_options
 @pipeline_options
 @friendly
-def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpoint_dir, block, ready_file, quiet,
-         **node_kw):
+def seed(run_id, initial_peers, data, manifest_ttl, config_path, objective, overrides, checkpoint_dir, block,
+         ready_file, quiet, **node_kw):
     """Start the first node of a NEW run: publish its manifest, hold a block, print the address.
 
     \b
@@ -337,7 +342,7 @@ def seed(run_id, initial_peers, data, config_path, objective, overrides, checkpo
     """
     cfg = build_config(config_path, objective, overrides, default_objective=NEW_RUN_OBJECTIVE)
     from ..p2p.addresses import parse_initial_peers
-    opts = _common(checkpoint_dir, run_id, config=cfg, data=data,
+    opts = _common(checkpoint_dir, run_id, config=cfg, data=data, manifest_ttl=manifest_ttl,
                    initial_peers=parse_initial_peers(list(initial_peers)), block=0 if block is None else block,
                    **node_kw)
     _run_node(opts, ready_file, quiet, "Seeded")

@@ -62,6 +62,7 @@ SOFTWARE_VERSION = "blocktrain/0.1.0"
 PROTOCOL_VERSION = 1
 STOP_DEADLINE = 7.0   # seconds for the graceful stop; steps still to go then get 0.2 s each (exit < 10 s)
 LOOP_STOP_S = 3.0               # a loop's time to end when the node stops
+MANIFEST_KEEP_PERIOD_S = 600.0  # at most this long between checks that the run's manifest is in the DHT
 FINAL_CHECKPOINT_S = 4.0        # the final checkpoint's budget for a block whose step and save are quick;
 FINAL_CHECKPOINT_MAX_S = 120.0  # a slower one gets twice its longest recent step and save, at most this
 SAVE_BYTES_PER_S = 50e6         # a first save's time, estimated before one was timed (weights and AdamW state)
@@ -87,6 +88,7 @@ class Node:
         self.duty = DutyCycle(opts.train_duty)   # the share of wall time this node's own training may use
         self.errors: list[str] = []
         self.failure: str | None = None           # why the node stopped on its own (a crashed loop)
+        self.manifest_kept: dict = {}              # the last keep_manifest: {"last": stored|copied|enough|..., "at"}
         self.loops: list[Loop] = []
         self.resumed = False
         self.downloaded: dict | None = None
@@ -165,6 +167,7 @@ class Node:
             self._start_loop("upstream", lambda stop: self.upstream.run(stop, self.refresh_upstream))
         if o.eval_every:
             self._start_loop("eval", self._eval)
+        self._start_loop("manifest", self._keep_manifest)
         if self.reach.private:
             self._start_loop("reachability", self.reach.run)
         # forward-chained nodes (snapshots of blocks < b, rebuilt for a new block) stay put
@@ -184,6 +187,21 @@ class Node:
             while engine is self.pipeline and not stop.is_set():   # it returned without a move (its event loop
                                                                     # is gone: the node is stopping): no spin
                 stop.wait(0.1)
+
+    def _keep_manifest(self, stop: threading.Event) -> None:
+        """Keep the run's manifest in the DHT (``Discovery.keep_manifest``): the seeder refreshes its
+        record, other members keep copies signed by the seeder, so the run stays joinable for as long
+        as any member runs, not only for the manifest's lifetime after the seeder's last store."""
+        period = min(self.manifest.ttl_s / 4, MANIFEST_KEEP_PERIOD_S)
+        while not stop.is_set():
+            try:
+                done = self.discovery.keep_manifest(self.manifest)
+                if done != self.manifest_kept.get("last"):
+                    log.info("run manifest: %s", done)
+                self.manifest_kept = {"last": done, "at": time.time()}
+            except Exception as e:   # the DHT unreachable for now: the next period tries again
+                log.warning("keeping the run's manifest in the DHT failed: %s", e)
+            stop.wait(period)
 
     def _stop_averagers(self) -> None:
         old, self.old_averager = self.old_averager, None   # a move's old one, if a stop came mid-move
@@ -226,10 +244,14 @@ class Node:
         self.cfg, self.run_id = o.config, o.run_id
         self.split, self.data_used = resolve_default(o.data or AUTO, self.cfg.seq_len, o.checkpoint_dir,
                                                      file_backed=True)
-        self.manifest = existing or RunManifest(
+        manifest = existing or RunManifest(
             run_id=o.run_id, model_config=o.config.to_dict(), config_hash=o.config.config_hash,
             data_spec=published_data_spec(o.data or AUTO, self.split), target_seed=o.config.target_seed,
-            protocol_version=PROTOCOL_VERSION, seeder_public_key=d.public_key, created_at=time.time())
+            protocol_version=PROTOCOL_VERSION, seeder_public_key=d.public_key, created_at=time.time(),
+            ttl_s=o.manifest_ttl)
+        if manifest.ttl_s != o.manifest_ttl or not manifest.signature_ok():   # signed: members keep copies of it
+            manifest = manifest.model_copy(update={"ttl_s": o.manifest_ttl, "signature": None}).signed(d.record_key)
+        self.manifest = manifest
         d.trust(self.manifest)   # read the run as its seeder; published by start() once the block is built
 
     @property

@@ -61,6 +61,7 @@ class NodeOptions:
     rebalance: bool = True                     # move to a needier block (node/rebalance.py); False pins the block
     rebalance_dwell: float = 600.0             # seconds a block is held before the node may leave it
     state_sources: int = 2                     # holders whose states a late join or a move compares (state_fetch.py)
+    manifest_ttl: float = 86400.0              # seed: seconds each store of the run's manifest lives in the DHT
     operator_token: bytes | None = field(default=None, init=False, repr=False)   # read once from the file
 
     def __post_init__(self) -> None:
@@ -107,6 +108,8 @@ class NodeOptions:
             raise ValueError(f"--announce-ttl must be in [6, 3600] seconds, got {self.ttl}")
         if not 1 <= self.state_sources <= 16:
             raise ValueError(f"--state-sources must be in [1, 16], got {self.state_sources}")
+        if not 10 <= self.manifest_ttl <= 30 * 86400:
+            raise ValueError(f"--manifest-ttl must be in [10, 2592000] seconds, got {self.manifest_ttl}")
         if not 0.0 <= self.rebalance_dwell <= 86_400.0:
             raise ValueError(f"--rebalance-dwell must be in [0, 86400] seconds, got {self.rebalance_dwell}")
         if not 0.0 <= self.inject_delay_ms <= 10_000.0:

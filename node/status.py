@@ -62,7 +62,10 @@ def build_status(node) -> NodeStatus:
         run={"run_id": node.run_id, "address": node.run_address, "config_hash": cfg.config_hash, "objective": cfg.objective,
              "n_blocks": cfg.n_blocks, "d_model": cfg.d_model, "layers_per_block": cfg.layers_per_block,
              "seq_len": cfg.seq_len, "data": node.data_used, "protocol": node.split.protocol,
-             "generate": node.generate_limits()},
+             "generate": node.generate_limits(),
+             # this node's part in keeping the manifest joinable (Node._keep_manifest): last result and when
+             "manifest": {"ttl_s": node.manifest.ttl_s, "signed": node.manifest.signature is not None,
+                          **node.manifest_kept}},
         self={"peer_id": node.peer_id, "block": node.block_index, "state": node.state, "step": t.step,
               "samples_seen": t.samples_seen, "throughput": t.throughput(), "loss": t.recent_loss(),
               "lr": t.last_lr, "maddrs": node.discovery.visible_maddrs(), "uptime_s": time.time() - node.started_at,

@@ -28,13 +28,15 @@ from hivemind.utils.timed_storage import ValueWithExpiration
 
 from blocktrain.p2p.errors import IdentityError, RecordError
 from blocktrain.p2p.identity import peer_id_from_public_key
-from blocktrain.p2p.records import NETWORK_DATA_SPEC_RE, BlockAnnouncement, RunManifest, validate_run_id
+from blocktrain.p2p.records import (
+    MANIFEST_TTL, MANIFEST_TTL_RANGE, NETWORK_DATA_SPEC_RE, BlockAnnouncement, RunManifest, validate_run_id,
+)
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "manifest_key", "blocks_key", "block_subkey", "owner_marker", "parse_block_subkey",
-    "make_validators", "run_schema_validator", "parse_manifests", "parse_holders",
+    "make_validators", "run_schema_validator", "parse_manifests", "live_manifest_entries", "parse_holders",
 ]
 
 _STR = pv1.constr(strict=True, max_length=256)
@@ -72,6 +74,8 @@ class ManifestSchema(pv1.BaseModel):
     protocol_version: pv1.StrictInt
     seeder_public_key: pv1.constr(strict=True, max_length=2048)
     created_at: pv1.confloat(strict=True, allow_inf_nan=False)
+    ttl_s: pv1.confloat(strict=True, ge=MANIFEST_TTL_RANGE[0], le=MANIFEST_TTL_RANGE[1]) = MANIFEST_TTL
+    signature: Optional[pv1.constr(strict=True, max_length=1024)] = None
 
     class Config:
         extra = pv1.Extra.forbid
@@ -138,7 +142,23 @@ def _subentries(found: ValueWithExpiration | None) -> dict[Any, Any]:
 
 def parse_manifests(run_id: str, found: ValueWithExpiration | None, seeder_public_key: str | None
                     ) -> list[RunManifest]:
-    out: list[RunManifest] = []
+    """One manifest per seeder key: the seeder's own record (its DHT signature makes it authentic) or,
+    when that has expired or its storers left, the newest copy another member keeps under its own
+    subkey whose embedded seeder signature verifies (:meth:`RunManifest.signature_ok`)."""
+    return [m for m, _copies in _manifests_with_copies(run_id, found, seeder_public_key, time_now=None)]
+
+
+def live_manifest_entries(run_id: str, found: ValueWithExpiration | None, seeder_public_key: str,
+                          after: float) -> int:
+    """How many believable stores of ``seeder_public_key``'s manifest (its own and copies) live past ``after``
+    (DHT time)."""
+    return sum(copies for _m, copies in _manifests_with_copies(run_id, found, seeder_public_key, time_now=after))
+
+
+def _manifests_with_copies(run_id: str, found: ValueWithExpiration | None, seeder_public_key: str | None,
+                           time_now: float | None) -> list[tuple[RunManifest, int]]:
+    best: dict[str, tuple[tuple[bool, float], RunManifest]] = {}
+    counts: dict[str, int] = {}
     for subkey, item in _subentries(found).items():
         owner = parse_owner_marker(subkey)
         if owner is None or item.value is None:
@@ -148,13 +168,21 @@ def parse_manifests(run_id: str, found: ValueWithExpiration | None, seeder_publi
         except RecordError as e:
             logger.debug("dropping malformed manifest of run %s: %s", run_id, e)
             continue
-        if m.run_id != run_id or m.seeder_public_key.encode() != owner:
-            logger.debug("dropping manifest of run %s not signed by its seeder", run_id)
+        if m.run_id != run_id:
+            continue
+        own = m.seeder_public_key.encode() == owner
+        if not own and not m.signature_ok():
+            logger.debug("dropping a copy of run %s's manifest: not signed by the seeder it names", run_id)
             continue
         if seeder_public_key is not None and m.seeder_public_key != seeder_public_key:
             continue
-        out.append(m)
-    return out
+        k = m.seeder_public_key
+        if time_now is None or getattr(item, "expiration_time", 0.0) > time_now:
+            counts[k] = counts.get(k, 0) + 1
+        rank = (own, m.created_at)
+        if k not in best or rank > best[k][0]:
+            best[k] = (rank, m)
+    return [(m, counts.get(k, 0)) for k, (_rank, m) in best.items()]
 
 
 def parse_holders(

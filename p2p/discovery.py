@@ -32,8 +32,8 @@ from hivemind.utils.timed_storage import get_dht_time
 from blocktrain.p2p.addresses import parse_initial_peers, parse_multiaddr
 from blocktrain.p2p.aioloop import LoopThread, in_event_loop
 from blocktrain.p2p.dht_schema import (
-    block_subkey, blocks_key, make_validators, manifest_key, owner_marker, parse_holders, parse_manifests,
-    run_schema_validator,
+    block_subkey, blocks_key, live_manifest_entries, make_validators, manifest_key, owner_marker, parse_holders,
+    parse_manifests, run_schema_validator,
 )
 from blocktrain.p2p.errors import (
     ConfigMismatchError, DiscoveryError, IdentityError, IdentityInUseError, ManifestConflictError,
@@ -49,7 +49,7 @@ from blocktrain.p2p.records import PROTOCOL_VERSION, BlockAnnouncement, RunManif
 from blocktrain.p2p.runtime_dir import use_runtime_dir
 
 __all__ = [
-    "Discovery", "DEFAULT_TTL", "MANIFEST_TTL", "ConfigMismatchError", "RunNotFoundError",
+    "Discovery", "DEFAULT_TTL", "MANIFEST_COPIES", "ConfigMismatchError", "RunNotFoundError",
     "ManifestConflictError",
 ]
 
@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DEFAULT_TTL = 30.0  # seconds an announcement lives without refresh
-MANIFEST_TTL = 24 * 3600.0
+MANIFEST_COPIES = 3   # believable stores of a run's manifest members keep alive beside the seeder's (keep_manifest)
 TOMBSTONE_DELAY = 1e-3  # a tombstone expires this long after the record it replaces
 DEFAULT_HOST_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 MAX_RELAYS_ASKED = 6   # relays a private node asks per check whether they carry dials to it
@@ -332,7 +332,7 @@ class Discovery:
         return await self.dht.run_coroutine(partial(ask_relayed, relays=relays), return_future=True)
 
     # -- manifest ---------------------------------------------------------------------------
-    async def apublish_manifest(self, manifest: RunManifest, *, ttl: float = MANIFEST_TTL) -> None:
+    async def apublish_manifest(self, manifest: RunManifest, *, ttl: float | None = None) -> None:
         if manifest.seeder_public_key != self.public_key:
             raise RecordError(
                 "manifest.seeder_public_key is not this node's record key; only the seeder can publish "
@@ -340,16 +340,45 @@ class Discovery:
             )
         await self.afollow_run(manifest.run_id)
         ok = await self.dht.store(
-            manifest_key(manifest.run_id), manifest.to_wire(), get_dht_time() + ttl,
+            manifest_key(manifest.run_id), manifest.to_wire(), get_dht_time() + (ttl or manifest.ttl_s),
             subkey=owner_marker(self.record_key), return_future=True,
         )
         if not ok:
             raise DiscoveryError(f"storing the manifest of run {manifest.run_id!r} was refused by every DHT node")
         self.trust(manifest)
 
-    def publish_manifest(self, manifest: RunManifest, *, ttl: float = MANIFEST_TTL) -> None:
-        """Publish the run manifest signed by this node's key (the node becomes the run's seeder)."""
+    def publish_manifest(self, manifest: RunManifest, *, ttl: float | None = None) -> None:
+        """Publish the run manifest signed by this node's key (the node becomes the run's seeder); it
+        lives ``ttl`` seconds (default: the manifest's ``ttl_s``)."""
         self._sync(self.apublish_manifest(manifest, ttl=ttl), "publish_manifest")
+
+    async def akeep_manifest(self, manifest: RunManifest, *, copies: int = MANIFEST_COPIES) -> str:
+        """Keep ``manifest`` in the DHT; call it every ``manifest.ttl_s / 4`` or so.
+
+        The seeder re-stores its record with a fresh lifetime (a record lives ``ttl_s`` after its last
+        store, and only on the DHT nodes that took it: both go without a refresh). Any other member
+        stores a copy under its own subkey when fewer than ``copies`` believable stores of it (the
+        seeder's and copies whose seeder signature verifies) have more than half their lifetime left,
+        so the run stays joinable after its seeder leaves. Returns "stored", "copied", "enough",
+        "unsigned" (a manifest without the seeder's signature is not copied) or "refused"."""
+        if manifest.seeder_public_key == self.public_key:
+            await self.apublish_manifest(manifest)
+            return "stored"
+        if not manifest.signature_ok():
+            return "unsigned"
+        await self.afollow_run(manifest.run_id)
+        key = manifest_key(manifest.run_id)
+        found = await self.dht.get(key, latest=True, return_future=True)
+        live = live_manifest_entries(manifest.run_id, found, manifest.seeder_public_key,
+                                     after=get_dht_time() + manifest.ttl_s / 2)
+        if live >= copies:
+            return "enough"
+        ok = await self.dht.store(key, manifest.to_wire(), get_dht_time() + manifest.ttl_s,
+                                  subkey=owner_marker(self.record_key), return_future=True)
+        return "copied" if ok else "refused"
+
+    def keep_manifest(self, manifest: RunManifest, *, copies: int = MANIFEST_COPIES) -> str:
+        return self._sync(self.akeep_manifest(manifest, copies=copies), "keep_manifest")
 
     async def aclaimants(self, run_id: str) -> list[RunManifest]:
         """Every well-formed manifest published under ``run_id``, one per seeder key, oldest claim first."""

@@ -5,6 +5,7 @@ strict schema every DHT node enforces on that dict lives in :mod:`blocktrain.p2p
 """
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
@@ -18,6 +19,7 @@ from blocktrain.p2p.errors import RecordError
 __all__ = [
     "RunManifest", "BlockAnnouncement", "BlockState", "PROTOCOL_VERSION", "RUN_ID_RE",
     "validate_run_id", "RecordError", "RunAddress", "parse_run_address", "NETWORK_DATA_SPEC_RE",
+    "MANIFEST_TTL", "MANIFEST_TTL_RANGE",
 ]
 
 PROTOCOL_VERSION = 1
@@ -28,6 +30,9 @@ CONFIG_HASH_RE = r"^[0-9a-f]{8,64}$"
 # --data). Never a path or glob: a stranger's manifest must not make a member read its own disk.
 NETWORK_DATA_SPEC_RE = r"^(?:[a-z][a-z0-9-]{0,63}|sha256:[0-9a-f]{64})$"
 MAX_ADDRESSES = 8
+MANIFEST_TTL = 24 * 3600.0                  # seconds a manifest lives in the DHT after its last store
+MANIFEST_TTL_RANGE = (10.0, 30 * 24 * 3600.0)
+_MANIFEST_SIGNING_TAG = b"blocktrain-manifest-v1\n"   # a manifest signature signs nothing else
 BlockState = Literal["joining", "online", "leaving"]
 
 
@@ -63,7 +68,12 @@ class _Record(BaseModel):
 
 
 class RunManifest(_Record):
-    """Published once by the seeding researcher; defines the run every node must match."""
+    """Published by the seeding researcher; defines the run every node must match.
+
+    ``signature`` is the seeder's own signature of every other field (:meth:`signed`), so a copy
+    that another member stores under its own DHT subkey can be believed like the seeder's record:
+    members keep the run's manifest in the DHT after the seeder leaves (``Discovery.keep_manifest``).
+    ``ttl_s``: how long each store of it (the seeder's or a copy) lives."""
 
     run_id: str
     model_config_dict: dict[str, Any] = Field(alias="model_config")
@@ -73,11 +83,36 @@ class RunManifest(_Record):
     protocol_version: int = PROTOCOL_VERSION
     seeder_public_key: str = Field(max_length=2048)
     created_at: float = Field(default_factory=time.time)
+    ttl_s: float = Field(default=MANIFEST_TTL, ge=MANIFEST_TTL_RANGE[0], le=MANIFEST_TTL_RANGE[1])
+    signature: str | None = Field(default=None, max_length=1024)
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, protected_namespaces=())
 
     def to_wire(self) -> dict[str, Any]:
         return self.model_dump(mode="python", by_alias=True)
+
+    def signing_bytes(self) -> bytes:
+        """What the seeder signs: every field but the signature, as canonical JSON."""
+        wire = {k: v for k, v in self.to_wire().items() if k != "signature"}
+        return _MANIFEST_SIGNING_TAG + json.dumps(wire, sort_keys=True, separators=(",", ":"),
+                                                  allow_nan=False).encode()
+
+    def signed(self, key: Any) -> "RunManifest":
+        """This manifest with its seeder's signature (``key``: the seeder's hivemind ``RSAPrivateKey``)."""
+        if key.get_public_key().to_bytes().decode() != self.seeder_public_key:
+            raise RecordError("only the seeder's key signs its manifest")
+        return self.model_copy(update={"signature": key.sign(self.signing_bytes()).decode()})
+
+    def signature_ok(self) -> bool:
+        """True if ``signature`` is the seeder's signature of this manifest."""
+        if not self.signature:
+            return False
+        from hivemind.utils.crypto import RSAPublicKey
+        try:
+            return RSAPublicKey.from_bytes(self.seeder_public_key.encode()).verify(
+                self.signing_bytes(), self.signature.encode())
+        except Exception:   # a malformed key or signature is no signature
+            return False
 
     @property
     def seeder(self) -> str:

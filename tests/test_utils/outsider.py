@@ -190,6 +190,16 @@ class Outsider:
             value["config_hash"] = config_hash
         return bool(self.dht.store(key, value, get_dht_time() + 3600, subkey=owner(self.key)))
 
+    def forge_manifest_copy(self, run_id: str, changes: dict) -> bool:
+        """A "copy" of the run's manifest under this peer's own subkey, as members keep them, but with
+        ``changes`` made to it: it still names the real seeder's key and carries its signature."""
+        honest = self.dht.get(f"{run_id}_manifest", latest=True)
+        items = [i.value for i in honest.value.values() if isinstance(i.value, dict)] if honest is not None else []
+        if not items:
+            return False
+        value = {**items[0], **changes}
+        return bool(self.dht.store(f"{run_id}_manifest", value, get_dht_time() + 3600, subkey=owner(self.key)))
+
     def fake_runs(self, fake_run: str) -> dict:
         entry = {"run_id": fake_run, "config_hash": "0123456789abcdef", "created_at": 1.0}
         index = self.dht.store("blocktrain_runs", entry, get_dht_time() + 3600, subkey=fake_run.encode() + owner(self.key))
