@@ -229,6 +229,31 @@ def test_a_holder_not_proven_yet_gets_a_probe_limit_once_another_holder_has_answ
     assert ns._call_timeout("QmS", pool, 60.0) == 60.0 and ns._call_timeout("QmC", pool, 60.0) == 60.0
 
 
+@pytest.mark.parametrize("n_blocks,block", [(4, 1), (8, 1), (4, 3), (2, 1)])
+def test_a_probe_leaves_every_stage_below_it_its_margins(n_blocks, block):
+    """A stranger of ``block`` probed with the limit: the deadline each stage below is told, as the engine
+    derives it (``handle``: its forward must start before told - STAGE_MARGIN_S; it tells the next stage
+    what is left less STAGE_MARGIN_S, less ANSWER_MARGIN_S for the answer's trip), still lets the last
+    stage start its forward. Before: a probe of block 1 in a 4-block chain was told 1.8 s and its block 3
+    got a deadline already past, so a replica that joined later was never proven (2026-12-06)."""
+    from blocktrain.node.pipeline.engine import STAGE_MARGIN_S
+    from blocktrain.node.routing.pipeline_route import ANSWER_MARGIN_S, PROBE_MIN_S
+
+    async def holders(b, fresh):
+        return ["QmS", "QmC"]
+    ns = NextStage(_Callee(), holders, mode="backprop", codec="fp32", self_peer="QmA", n_blocks=n_blocks,
+                   stage_margin_s=STAGE_MARGIN_S)
+    ns.ranking.record_success("QmC", 0.05)
+    allowed = ns._call_timeout("QmS", ["QmS", "QmC"], 600.0, block)
+    assert allowed >= PROBE_MIN_S
+    compute = 0.01                      # each stage's forward, on an idle machine
+    told = allowed - ANSWER_MARGIN_S    # what block `block` is told (NextStage.send)
+    for _stage in range(block, n_blocks - 1):
+        assert told - STAGE_MARGIN_S > compute       # its forward starts in time
+        told = told - compute - STAGE_MARGIN_S - ANSWER_MARGIN_S
+    assert told - STAGE_MARGIN_S > compute, (allowed, told)   # the last stage's forward starts in time too
+
+
 def test_a_stalling_holder_costs_a_micro_batch_a_probe_limit_not_its_budget():
     """A holder that takes micro-batches and never answers, drawn first: the micro-batch moves on to the
     proven holder after PROBE_MIN_S, with that limit also told to the staller as its deadline, instead of

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from blocktrain.node.pipeline.engine import PipelineEngine
+from blocktrain.node.pipeline.engine import STAGE_MARGIN_S, PipelineEngine
 from blocktrain.node.pipeline.settings import PipelineSettings
 from blocktrain.node.pipeline.stats import PipelineStats
 from blocktrain.node.routing.pipeline_route import NextStage
@@ -37,7 +37,7 @@ def _build(node, trainer, traffic: PipelineTraffic | None = None,
             return [a.peer_id for a in hs.get(nb, []) if a.state == "online" and a.serving]
 
         next_stage = NextStage(client, holders, mode=limits.mode, codec=settings.codec, self_peer=node.peer_id,
-                               retries=settings.retries)
+                               retries=settings.retries, n_blocks=cfg.n_blocks, stage_margin_s=STAGE_MARGIN_S)
     engine = PipelineEngine(trainer, n_blocks=cfg.n_blocks, loop=node.loop, next_stage=next_stage, settings=settings,
                             self_peer=node.peer_id, on_step=node._after_step, idle=node._idle, traffic=traffic,
                             duty=node.duty, stats=stats)

@@ -73,9 +73,13 @@ class DownstreamFailed(RuntimeError):
 class NextStage:
     def __init__(self, client: PipelineClient, holders: Callable[[int, bool], Awaitable[list[str]]], *,
                  mode: str, codec: str, self_peer: str, ranking: HolderRanking | None = None,
-                 bans: PeerBans | None = None, retries: int = 2, on_event: Callable[[str], None] | None = None):
+                 bans: PeerBans | None = None, retries: int = 2, on_event: Callable[[str], None] | None = None,
+                 n_blocks: int | None = None, stage_margin_s: float = 0.0):
         self.client, self.holders, self.mode, self.codec = client, holders, mode, codec
         self.self_peer, self.retries = self_peer, retries
+        # what each stage from a block to the last keeps of its caller's deadline (its own margin and the
+        # answer's trip): a probe's limit must leave the chain below that much on top (_call_timeout)
+        self.n_blocks, self.stage_margin_s = n_blocks, stage_margin_s
         self.ranking = ranking or HolderRanking()
         self.bans = bans or PeerBans(ban_seconds=10.0)
         self.on_event = on_event or (lambda _e: None)   # "retried", "retried_same", "busy", "failed_calls",
@@ -91,14 +95,20 @@ class NextStage:
     def _forget(self, block: int, peer: str) -> None:
         self._recent.get(block, {}).pop(peer, None)
 
-    def _call_timeout(self, peer: str, pool: list[str], remaining: float) -> float:
+    def _call_timeout(self, peer: str, pool: list[str], remaining: float, block: int | None = None) -> float:
         """How long a call to ``peer`` may take: all the time left, unless ``peer`` has not proven itself (no
         answer yet, or failing lately) while another holder of the block has; then ``PROBE_FACTOR`` times that
         holder's measured latency, at least ``PROBE_MIN_S``. A holder that takes micro-batches and never answers
         (a stalling Sybil) so costs a micro-batch a few seconds, which it then spends on another holder, instead
         of its whole budget (before: 3 stalling Sybils among 30 announced holders stopped a 2-block chain for
         ~50 s of every minute; docs/records/s28/pipeline_sybils.py). An honest holder slower than that is
-        struck off for a while (a collateral ban) and tried again later."""
+        struck off for a while (a collateral ban) and tried again later.
+
+        On top of that limit, the deadline slack of every stage from ``block`` to the last (each keeps
+        ``stage_margin_s`` of what it is told and tells the next one ``ANSWER_MARGIN_S`` less): without it
+        a probe of block 1 in a 4-block chain was told 1.8 s, its block 3 got a deadline already past, and a
+        replica that joined after another holder of its block had answered was never proven (every probe
+        failed with ``timeout``; it received 28 micro-batches in 40 s and answered none, 2026-12-06)."""
         def proven(p: str) -> PeerRecord | None:
             r = self.ranking.known(p)
             return r if r is not None and r.successes > 0 and r.latency_s is not None and r.success_rate >= 0.5 \
@@ -106,7 +116,11 @@ class NextStage:
         if proven(peer) is not None:
             return remaining
         latencies = [r.latency_s for p in pool if p != peer and (r := proven(p)) is not None]
-        return remaining if not latencies else min(remaining, max(PROBE_MIN_S, PROBE_FACTOR * min(latencies)))
+        if not latencies:
+            return remaining
+        stages = 0 if self.n_blocks is None or block is None else max(1, self.n_blocks - block)
+        slack = stages * (self.stage_margin_s + ANSWER_MARGIN_S)
+        return min(remaining, max(PROBE_MIN_S, PROBE_FACTOR * min(latencies)) + slack)
 
     async def any_holder(self, block: int) -> bool:
         """Is any holder of ``block`` announced (and not banned)? Read from the DHT at most every few seconds."""
@@ -143,7 +157,7 @@ class NextStage:
             if remaining < MIN_CALL_S:
                 raise DownstreamFailed("timeout", f"no time left to reach block {block} ({last})")
             t0 = time.monotonic()
-            allowed = self._call_timeout(peer, pool, remaining)
+            allowed = self._call_timeout(peer, pool, remaining, block)
             try:   # the request is built inline: once the wire has encoded it, nothing here holds the state
                 resp = await self.client.call(peer, StageRequest(
                     block, slot.pop(), targets, self.mode, self.codec,
