@@ -235,9 +235,18 @@ def test_sixteen_nodes_under_churn(tmp_path):
             rebalancing_moves=len(moves),
             moves=[{k: mv.get(k) for k in ("node", "from", "to", "took_s", "why")} | {"at": round(mv["at"] - t0_wall, 1)}
                    for mv in moves],
-            errors=[g[4] for g in mon.gens if not g[2]][:5])
+            errors=[g[4] for g in mon.gens if not g[2]][:5],
+            # chain-trained runs: each node's part of the training since its last start
+            pipeline=[{"node": n.name, "block": st["self"]["block"],
+                       **{k: (st["self"]["pipeline"] or {}).get(k)
+                          for k in ("received", "answered", "failed_downstream", "steps", "lost")}}
+                      for n, st in zip(sw.nodes, sts) if st["self"]["pipeline"] is not None])
         report("churn16", **figures)
         assert kills >= 2 * MINUTES - 1 and restarts == kills
+        # a holder that gets micro-batches answers some (a replica that joined after its block's first holder
+        # answered none before the probe limit left the chain below its margins: RELIABILITY "Gaps found" 7)
+        starved = [p for p in figures["pipeline"] if (p["received"] or 0) >= 20 and not p["answered"]]
+        assert not starved, starved
         assert covered and all(covered), figures
         assert gens_cov and ok == len(gens_cov), figures
         assert sorted(per_block) == list(range(N_BLOCKS)), figures
