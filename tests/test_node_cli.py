@@ -136,6 +136,40 @@ def test_every_nodes_join_line_joins_the_run(tmp_path):
         sw.stop_all()
 
 
+def test_export_then_generate_and_load_offline(tmp_path):
+    """The end user's path out of the network (README): ``bt-node export`` pulls every block of a live run into
+    one directory, which ``bt-node generate --checkpoint`` and ``blocktrain.blocks.load`` then run with no
+    network. The exported weights are the holders' (byte for byte the tensors they serve)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from blocktrain.blocks import load
+    from test_utils.reliability import wait_for
+
+    sw = LocalSwarm(tmp_path / "net", run_id="exp", overrides=SWARM_DEFAULTS + ["n_blocks=2"], data=str(TEST_CORPUS))
+    try:
+        nodes = [sw.start_seed(block=0, args=["--max-steps", "3"]), sw.start_join(block=1, args=["--max-steps", "3"])]
+        wait_for(lambda: all(n.get("/v1/status")["self"]["step"] >= 3 for n in nodes), 120, "3 steps on each block")
+        out = tmp_path / "exported"
+        r = bt("export", "--initial-peers", sw.seed_maddr, "--out", str(out), "--json", timeout=180)
+        assert r.returncode == 0, r.stderr[-2000:]
+        res = json.loads(r.stdout)
+        assert res["run_id"] == "exp" and len(res["blocks"]) == 2
+        assert sorted(p.name for p in out.iterdir()) == ["block00.safetensors", "block01.safetensors", "config.json"]
+    finally:
+        sw.stop_all()
+    for b, n in enumerate(nodes):   # training had stopped (--max-steps): what each holder saved at its stop
+        mine, got = load_file(n.workdir / "ckpt" / f"block{b:02d}.safetensors"), load_file(out / f"block{b:02d}.safetensors")
+        assert mine.keys() == got.keys() and all(torch.equal(mine[k], got[k]) for k in mine), b
+    r = bt("generate", "The history of", "--checkpoint", str(out), "--max-bytes", "8", timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("The history of") and len(r.stdout.rstrip("\n")) > len("The history of"), r.stdout
+    model = load(out)
+    assert math.isfinite(model.score("The history of the world is long."))
+    text = model.generate("The history of", max_bytes=8)["text"]   # the continuation alone
+    assert isinstance(text, str) and 0 < len(text) <= 8, text
+
+
 def test_a_new_run_trains_pipeline_unless_its_seeder_names_an_objective(tmp_path):
     """Issue 13, target 5: `seed` and `swarm` start `pipeline` runs by default; `paper` (or any
     objective) is one flag away, and a config file that names one is obeyed. Offline commands and
