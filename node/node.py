@@ -250,7 +250,7 @@ class Node:
             protocol_version=PROTOCOL_VERSION, seeder_public_key=d.public_key, created_at=time.time(),
             ttl_s=o.manifest_ttl)
         if manifest.ttl_s != o.manifest_ttl or not manifest.signature_ok():   # signed: members keep copies of it
-            manifest = manifest.model_copy(update={"ttl_s": o.manifest_ttl, "signature": None}).signed(d.record_key)
+            manifest = manifest.model_copy(update={"ttl_s": o.manifest_ttl}).signed(d.record_key)
         self.manifest = manifest
         d.trust(self.manifest)   # read the run as its seeder; published by start() once the block is built
 

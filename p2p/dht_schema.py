@@ -168,16 +168,14 @@ def _manifests_with_copies(run_id: str, found: ValueWithExpiration | None, seede
         except RecordError as e:
             logger.debug("dropping malformed manifest of run %s: %s", run_id, e)
             continue
-        if m.run_id != run_id:
+        if m.run_id != run_id or (seeder_public_key is not None and m.seeder_public_key != seeder_public_key):
             continue
         own = m.seeder_public_key.encode() == owner
         if not own and not m.signature_ok():
             logger.debug("dropping a copy of run %s's manifest: not signed by the seeder it names", run_id)
             continue
-        if seeder_public_key is not None and m.seeder_public_key != seeder_public_key:
-            continue
         k = m.seeder_public_key
-        if time_now is None or getattr(item, "expiration_time", 0.0) > time_now:
+        if time_now is None or item.expiration_time > time_now:
             counts[k] = counts.get(k, 0) + 1
         rank = (own, m.created_at)
         if k not in best or rank > best[k][0]:

@@ -332,7 +332,7 @@ class Discovery:
         return await self.dht.run_coroutine(partial(ask_relayed, relays=relays), return_future=True)
 
     # -- manifest ---------------------------------------------------------------------------
-    async def apublish_manifest(self, manifest: RunManifest, *, ttl: float | None = None) -> None:
+    async def apublish_manifest(self, manifest: RunManifest) -> None:
         if manifest.seeder_public_key != self.public_key:
             raise RecordError(
                 "manifest.seeder_public_key is not this node's record key; only the seeder can publish "
@@ -340,17 +340,17 @@ class Discovery:
             )
         await self.afollow_run(manifest.run_id)
         ok = await self.dht.store(
-            manifest_key(manifest.run_id), manifest.to_wire(), get_dht_time() + (ttl or manifest.ttl_s),
+            manifest_key(manifest.run_id), manifest.to_wire(), get_dht_time() + manifest.ttl_s,
             subkey=owner_marker(self.record_key), return_future=True,
         )
         if not ok:
             raise DiscoveryError(f"storing the manifest of run {manifest.run_id!r} was refused by every DHT node")
         self.trust(manifest)
 
-    def publish_manifest(self, manifest: RunManifest, *, ttl: float | None = None) -> None:
-        """Publish the run manifest signed by this node's key (the node becomes the run's seeder); it
-        lives ``ttl`` seconds (default: the manifest's ``ttl_s``)."""
-        self._sync(self.apublish_manifest(manifest, ttl=ttl), "publish_manifest")
+    def publish_manifest(self, manifest: RunManifest) -> None:
+        """Publish the run manifest signed by this node's key (the node becomes the run's seeder); this
+        store lives the manifest's ``ttl_s``."""
+        self._sync(self.apublish_manifest(manifest), "publish_manifest")
 
     async def akeep_manifest(self, manifest: RunManifest, *, copies: int = MANIFEST_COPIES) -> str:
         """Keep ``manifest`` in the DHT; call it every ``manifest.ttl_s / 4`` or so.
