@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 import threading
 
@@ -96,7 +97,7 @@ def sweep_stale_runtime_dirs(root: str = RUNTIME_ROOT) -> list[str]:
             st = os.lstat(path)
         except OSError:
             continue
-        if st.st_uid != uid or not os.path.isdir(path) or os.path.islink(path):
+        if st.st_uid != uid or not stat.S_ISDIR(st.st_mode):   # lstat: a link is not a directory
             continue
         pid = int(m.group(1))
         if pid == os.getpid() or _pid_running(pid):
