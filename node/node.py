@@ -94,6 +94,9 @@ class Node:
         self.downloaded: dict | None = None
         self.late_join: dict | None = None        # how the late join's download went: via, seconds, MB
         self.checkpoints_written = 0
+        self.checkpoints_failed = 0           # periodic writes the disk refused (full, read-only): training goes on
+        self.checkpoint_error: str | None = None   # why the last write failed; None once one succeeds again
+        self.last_checkpoint: dict | None = None   # {"block", "step", "at"} of the last checkpoint written
         self.last_save_s: float | None = None   # how long the last checkpoint took to write
         self.chain_ce_history: list[tuple[float, float]] = []
         self.route_bans = PeerBans()          # holders whose hops failed
@@ -440,7 +443,7 @@ class Node:
         if t.step % o.average_every == 0:
             self._avg_wakeup.set()
         if t.step % o.checkpoint_every == 0:
-            self.save_checkpoint()
+            self.try_checkpoint()
 
     def _average(self, stop: threading.Event) -> None:
         """A round every ``average_every`` local steps; with ``average_clock``, also once in each period
@@ -485,11 +488,42 @@ class Node:
             except Exception as e:
                 log.info("held-out evaluation skipped: %s", e)
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self, trainer: BlockTrainer | None = None) -> None:
+        """Write this block's checkpoint (or ``trainer``'s: a rebalancing move's old block); raises what the
+        write raised. Every file is replaced atomically, so a failed write leaves the last good checkpoint."""
+        t = trainer or self.trainer
         t0 = time.monotonic()
-        self.trainer.save(self.opts.checkpoint_dir)
+        t.save(self.opts.checkpoint_dir)
         self.last_save_s = time.monotonic() - t0
         self.checkpoints_written += 1
+        self.last_checkpoint = {"block": t.block_index, "step": t.step, "at": time.time()}
+        if self.checkpoint_error is not None:
+            log.warning("checkpoint written again (block %d, step %d)", t.block_index, t.step)
+            self.checkpoint_error = None
+
+    def try_checkpoint(self, trainer: BlockTrainer | None = None) -> bool:
+        """A checkpoint while the node runs: a write the disk refuses (OSError: full, read-only, quota,
+        permissions) is reported (log, errors, status) and the node trains and serves on, retrying at the
+        next one; its state lives on in its replicas and in the checkpoint on disk, which a failed write
+        leaves as it was. A volunteer's full disk used to stop the node. Other errors still raise."""
+        t = trainer or self.trainer
+        try:
+            self.save_checkpoint(t)
+            return True
+        except OSError as e:
+            self.checkpoints_failed += 1
+            first = self.checkpoint_error is None
+            kept = (f"the checkpoint of step {self.last_checkpoint['step']} stays" if self.last_checkpoint
+                    else "no earlier checkpoint of this run")
+            self.checkpoint_error = (f"checkpoint of block {t.block_index} at step {t.step} not written to "
+                                     f"{self.opts.checkpoint_dir}: {e.strerror or e}; training and serving go on "
+                                     f"({kept}, retried every --checkpoint-every {self.opts.checkpoint_every} steps)")
+            if first:   # once per streak of failures: the errors list keeps room for other news
+                log.error("%s", self.checkpoint_error)
+                self._error(self.checkpoint_error)
+            else:
+                log.debug("%s", self.checkpoint_error)
+            return False
 
     def train_loop_budget(self) -> float:
         """Seconds the stop waits for the train loop: 3, or the step in progress if steps are slower."""

@@ -205,7 +205,7 @@ class Rebalancer:
         n = self.node
         n.serve_block(trainer)
         old = n.trainer
-        old.save(n.opts.checkpoint_dir)   # block m's last local state stays on disk
+        n.try_checkpoint(old)   # block m's last local state stays on disk (a full disk does not stop the move)
         n.trainer, n.averager, n.old_averager = trainer, new_avg, n.averager
         n.router.local_hops = {trainer.block_index: trainer.hop}
         n.block_index, n.block_since, n.moving_to = trainer.block_index, time.monotonic(), None

@@ -48,7 +48,8 @@ def build_status(node) -> NodeStatus:
     s = a.stats
     traffic = a.traffic()
     counters = {"peers_banned_total": node.route_bans.total + a.bans.total,
-                "checkpoints_written_total": node.checkpoints_written}
+                "checkpoints_written_total": node.checkpoints_written,
+                "checkpoints_failed_total": node.checkpoints_failed}
     engine = getattr(node, "pipeline", None)
     if engine is not None:
         from blocktrain.node.pipeline.compose import pipeline_counters
@@ -69,6 +70,9 @@ def build_status(node) -> NodeStatus:
         self={"peer_id": node.peer_id, "block": node.block_index, "state": node.state, "step": t.step,
               "samples_seen": t.samples_seen, "throughput": t.throughput(), "loss": t.recent_loss(),
               "lr": t.last_lr, "maddrs": node.discovery.visible_maddrs(), "uptime_s": time.time() - node.started_at,
+              "checkpoint": {"dir": str(node.opts.checkpoint_dir), "written": node.checkpoints_written,
+                             "failed": node.checkpoints_failed, "last": node.last_checkpoint,
+                             "error": node.checkpoint_error},
               "resumed": node.resumed, "downloaded_state": node.downloaded is not None, "late_join": node.late_join,
               "http_port": node.http.port if node.http is not None else None,
               "reachability": node.reach.state,

@@ -121,6 +121,9 @@ def test_dashboard_and_playground_in_a_real_browser(tmp_path):
                 assert page.locator("#loss-chart svg path.series").count() >= 1
                 assert page.locator("#steps-chart svg path.series").count() == 2
                 assert page.locator("#pipe-card").is_hidden()   # a paper run: no training along the chain
+                # its periodic checkpoint (every 100 steps) is shown with its step
+                page.wait_for_function("() => document.querySelector('#self-checkpoint').textContent"
+                                       ".startsWith('step 100 at ')", timeout=60_000)
 
                 # ---- playground ---------------------------------------------------------------------
                 page.get_by_label("Prompt").fill("The city of ")

@@ -172,8 +172,17 @@
     setText("self-uptime", fmtDuration(s.uptime_s));
     setText("self-origin", s.resumed ? "its checkpoint (resumed)"
             : s.downloaded_state ? describeDownload(s.late_join) : "fresh initialisation");
+    setText("self-checkpoint", describeCheckpoint(s.checkpoint));
     setText("self-reach", s.reachability);
     setText("self-rebalance", describeRebalance(s.rebalance));
+  }
+
+  function describeCheckpoint(c) {
+    // a write the disk refused does not stop the node (Node.try_checkpoint): say so, or what was last written
+    if (!c) return null;
+    if (c.error) return "NOT WRITING: " + c.error;
+    if (!c.last) return "none yet";
+    return "step " + fmtNum(c.last.step, 0) + " at " + fmtClock(c.last.at);
   }
 
   function describeDownload(j) {
