@@ -257,7 +257,9 @@ def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: floa
         "they answer 202 with a job to poll at GET /v1/jobs/{job_id}."))
     heavy = threading.BoundedSemaphore(max_concurrent)
     limiter = _RateLimiter(rate_per_s, burst)
-    counters = {"requests": 0, "rejected_rate": 0, "rejected_busy": 0, "errors": 0, "rejected_operator": 0}
+    counters = {"requests": 0, "rejected_rate": 0, "rejected_busy": 0, "errors": 0, "rejected_operator": 0,
+                "connections_closed_slow": 0, "connections_refused": 0}   # the last two: guard.py's
+    app.state.bt_counters = counters
     jobs = JobTable(keep=keep_jobs)
     limits = backend.generate_limits()
     Generate = generate_request_model({m: int(v["max"]) for m, v in limits.items()})

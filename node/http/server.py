@@ -6,8 +6,10 @@ import time
 from importlib import resources
 
 import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from blocktrain.node.http.api import create_app
+from blocktrain.node.http.guard import guarded
 
 
 def static_dir() -> str | None:
@@ -21,7 +23,10 @@ class HttpServer:
         # X-Forwarded-For is believed from a proxy on 127.0.0.1 only: the client behind such a proxy
         # is then who operator.py judges (remote, unless it sends the token), and nobody else can
         # claim an address they do not connect from
+        # AutoHTTPProtocol: the class uvicorn's http="auto" picks (httptools if installed, else h11), with
+        # a deadline for each request's head and a per-address connection limit (guard.py: slowloris)
         self.config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                     http=guarded(AutoHTTPProtocol, app.state.bt_counters),
                                      timeout_graceful_shutdown=3, limit_concurrency=64,
                                      proxy_headers=True, forwarded_allow_ips="127.0.0.1")
         self.server = uvicorn.Server(self.config)
