@@ -24,13 +24,9 @@ import time
 import httpx
 import jsonschema
 import pytest
-import torch
 from fastapi.testclient import TestClient
 
 from blocktrain.blocks.config import ModelConfig
-from blocktrain.blocks.model import Model
-from blocktrain.blocks.objectives import get_objective
-from blocktrain.node import generation
 from blocktrain.node.http.api import create_app
 from blocktrain.node.http.jobs import JobTable, run_job
 from blocktrain.node.http.operator import load_operator_token, operator_refusal
@@ -38,6 +34,7 @@ from blocktrain.node.options import NodeOptions
 from blocktrain.node.swarm.launcher import LocalSwarm
 
 from test_utils.configs import TEST_CORPUS
+from test_utils.local_backend import LocalBackend
 from test_utils.reliability import MANUAL_AVG, TINY, report, stop_swarm, wait_for
 
 pytestmark = [pytest.mark.reliability, pytest.mark.network]
@@ -109,24 +106,6 @@ def test_default_max_bytes_is_valid_on_a_seq_len_64_run(node, spec):
     assert json.loads(cli.stdout)["bytes_generated"] == SEQ_LEN - 1, cli.stdout
     report("http_default_max_bytes_live", seq_len=SEQ_LEN, default_one_sweep=r.json()["bytes_generated"],
            over_limit_status=over.status_code, cli_bytes=SEQ_LEN - 1)
-
-
-class LocalBackend:
-    """The API's backend over a real objective and real blocks on this machine (no network):
-    what the node does for /v1/generate, minus the routing."""
-
-    def __init__(self, cfg: ModelConfig):
-        obj = get_objective(cfg)
-        torch.manual_seed(0)
-        self.model = Model(cfg, obj, [obj.build_block(b).eval() for b in range(cfg.n_blocks)])
-
-    def generate_limits(self):
-        return generation.limits(self.model.objective)
-
-    def generate(self, prompt, max_bytes, mode, seed, temperature):
-        out = self.model.generate(prompt, max_bytes, mode, temperature=temperature, seed=seed)
-        out.pop("bytes")
-        return out
 
 
 @pytest.mark.parametrize("objective,seq_len", [("paper", 16), ("paper", 64), ("paper", 256),

@@ -7,6 +7,9 @@ other client, for as long as they stayed open (measured: 200 such sockets, every
 In process: uvicorn serving a small app through ``guarded`` with short limits (a request head must
 arrive within 0.6 s, 3 connections per address), raw sockets as the attacker. Live: a real
 ``bt-node seed`` with the defaults and 70 half-open sockets from one address.
+
+And the API's heavy slots (generate, score): one address runs at most half of them at once; before,
+one client within its rate limit could keep all of them busy and every other client got 503.
 """
 from __future__ import annotations
 
@@ -20,11 +23,14 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
+from blocktrain.blocks.config import ModelConfig
+from blocktrain.node.http.api import create_app
 from blocktrain.node.http.guard import PER_CLIENT_CONNECTIONS, guarded
 from blocktrain.node.swarm.launcher import NodeProc
 from blocktrain.node.swarm.run import SWARM_DEFAULTS
 
 from test_utils.configs import TEST_CORPUS
+from test_utils.local_backend import LocalBackend
 
 HALF = b"GET /ping HTTP/1.1\r\nHost: x\r\n"   # a request head that never ends
 
@@ -50,6 +56,20 @@ def _state(s: socket.socket, wait: float = 0.3) -> str:
     return data.split(b"\r\n", 1)[0].decode() if data else "closed"
 
 
+def _serve(app, http=None):
+    """uvicorn serving ``app`` on a free port of 127.0.0.1 in a thread; returns (server, thread, port)."""
+    cfg = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
+                         limit_concurrency=64, **({"http": http} if http is not None else {}))
+    server = uvicorn.Server(cfg)
+    th = threading.Thread(target=server.run, daemon=True)
+    th.start()
+    t0 = time.monotonic()
+    while not server.started:
+        assert time.monotonic() - t0 < 15 and th.is_alive(), "server did not start"
+        time.sleep(0.02)
+    return server, th, server.servers[0].sockets[0].getsockname()[1]
+
+
 @pytest.fixture
 def small_server():
     app = FastAPI()
@@ -64,17 +84,7 @@ def small_server():
         time.sleep(1.5)   # longer than the head deadline: a request in progress is not cut
         return {"ok": True}
 
-    cfg = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
-                         http=guarded(AutoHTTPProtocol, counters, head_timeout_s=0.6, per_client=3),
-                         limit_concurrency=64)
-    server = uvicorn.Server(cfg)
-    th = threading.Thread(target=server.run, daemon=True)
-    th.start()
-    t0 = time.monotonic()
-    while not server.started:
-        assert time.monotonic() - t0 < 15 and th.is_alive(), "server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    server, th, port = _serve(app, guarded(AutoHTTPProtocol, counters, head_timeout_s=0.6, per_client=3))
     try:
         yield port, counters
     finally:
@@ -143,3 +153,53 @@ def test_a_node_stays_reachable_under_a_slowloris(tmp_path):
         for s in socks:
             s.close()
         node.stop()
+
+
+class GatedBackend(LocalBackend):
+    """Real blocks; each generation waits at a gate first (so the test decides how long requests run)."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.gate = threading.Event()
+        self.entered = threading.Semaphore(0)
+
+    def generate(self, *a):
+        self.entered.release()
+        assert self.gate.wait(30), "the test never opened the gate"
+        return super().generate(*a)
+
+
+def test_one_address_runs_at_most_half_the_heavy_slots(tmp_path):
+    cfg = ModelConfig(objective="paper", seq_len=16, n_blocks=2, d_model=32, n_heads=2, layers_per_block=1,
+                      target_dim=16, chunk_len=16)
+    backend = GatedBackend(cfg)
+    server, th, port = _serve(create_app(backend, max_concurrent=4, rate_per_s=1e9, burst=10 ** 9))
+    url = f"http://127.0.0.1:{port}/v1/generate"
+    body = {"prompt": "The ", "max_bytes": 4}
+    results: dict = {}
+
+    def post(key, src):
+        with httpx.Client(timeout=60, transport=httpx.HTTPTransport(local_address=src)) as c:
+            results[key] = c.post(url, json=body)
+
+    greedy = [threading.Thread(target=post, args=(f"a{i}", "127.0.0.1")) for i in range(2)]
+    try:
+        for t in greedy:
+            t.start()
+        for _ in greedy:   # both of the first address's requests are running
+            assert backend.entered.acquire(timeout=30)
+        post("a-third", "127.0.0.1")   # its share is taken: refused at once, with the reason
+        assert results["a-third"].status_code == 503 and "its share" in results["a-third"].json()["detail"]
+        other = threading.Thread(target=post, args=("b", "127.0.0.2"))
+        other.start()
+        assert backend.entered.acquire(timeout=30), "another address was not let in"
+        backend.gate.set()
+        for t in [*greedy, other]:
+            t.join(60)
+        assert [results[k].status_code for k in ("a0", "a1", "b")] == [200, 200, 200]
+        post("a-later", "127.0.0.1")   # its requests done: served again
+        assert results["a-later"].status_code == 200
+    finally:
+        backend.gate.set()
+        server.should_exit = True
+        th.join(10)

@@ -256,6 +256,11 @@ def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: floa
         "(127.0.0.1 / ::1) or a client with the node's operator token (Authorization: Bearer); "
         "they answer 202 with a job to poll at GET /v1/jobs/{job_id}."))
     heavy = threading.BoundedSemaphore(max_concurrent)
+    # one address runs at most half the heavy slots at once: a client that keeps its share busy (within
+    # its rate limit) leaves the rest to everybody else (before, one client could hold all of them)
+    per_client_heavy = max(1, max_concurrent // 2)
+    in_flight: dict[str, int] = {}
+    flight_lock = threading.Lock()
     limiter = _RateLimiter(rate_per_s, burst)
     counters = {"requests": 0, "rejected_rate": 0, "rejected_busy": 0, "errors": 0, "rejected_operator": 0,
                 "connections_closed_slow": 0, "connections_refused": 0}   # the last two: guard.py's
@@ -296,10 +301,17 @@ def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: floa
             counters["rejected_operator"] += 1
             raise HTTPException(refusal.status, refusal.detail, headers=refusal.headers or None)
 
-    def run_heavy(fn):
-        if not heavy.acquire(blocking=False):
-            counters["rejected_busy"] += 1
-            raise HTTPException(503, "node busy: too many requests in flight, retry shortly")
+    def run_heavy(request: Request, fn):
+        client = request.client.host if request.client else "?"
+        with flight_lock:
+            if in_flight.get(client, 0) >= per_client_heavy:
+                counters["rejected_busy"] += 1
+                raise HTTPException(503, f"this address already has {per_client_heavy} requests in flight on this "
+                                         "node (its share); send the next when one has finished")
+            if not heavy.acquire(blocking=False):
+                counters["rejected_busy"] += 1
+                raise HTTPException(503, "node busy: too many requests in flight, retry shortly")
+            in_flight[client] = in_flight.get(client, 0) + 1
         try:
             return fn()
         except RequestRefused as e:
@@ -310,19 +322,23 @@ def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: floa
             counters["errors"] += 1
             raise HTTPException(503, f"the network could not serve this request: {e}") from None
         finally:
-            heavy.release()
+            with flight_lock:
+                left = in_flight.pop(client) - 1
+                if left:
+                    in_flight[client] = left
+                heavy.release()
 
     @app.post("/v1/generate", response_model=GenerateResponse, summary="Generate text through the chain",
               responses=_documented(*BODY_ROUTE))
-    def generate(req: Generate):
+    def generate(req: Generate, request: Request):
         n = req.max_bytes if req.max_bytes is not None else int(limits[req.mode]["default"])
-        return run_heavy(lambda: backend.generate(req.prompt.encode("utf-8"), n, req.mode, req.seed,
+        return run_heavy(request, lambda: backend.generate(req.prompt.encode("utf-8"), n, req.mode, req.seed,
                                                   req.temperature))
 
     @app.post("/v1/score", response_model=ScoreResponse, summary="Held-out nats/byte of a text",
               responses=_documented(*BODY_ROUTE))
-    def score(req: ScoreRequest):
-        return run_heavy(lambda: backend.score(req.text.encode("utf-8"), req.k))
+    def score(req: ScoreRequest, request: Request):
+        return run_heavy(request, lambda: backend.score(req.text.encode("utf-8"), req.k))
 
     def start_job(kind: str, fn) -> JSONResponse:
         job, _started = jobs.start(kind, fn)
