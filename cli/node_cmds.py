@@ -19,7 +19,7 @@ from rich.table import Table
 from ..node.options import NEW_RUN_OBJECTIVE, NodeOptions
 from .config_opts import build_config, config_options
 from .errors import friendly
-from .render import emit_json, err_console
+from .render import emit_json, err_console, plain, terminal_safe
 from .signals import Interrupted, StopSignals
 
 
@@ -379,22 +379,6 @@ def join(initial_peers, run_id, data, checkpoint_dir, block, ready_file, quiet, 
     _run_node(opts, ready_file, quiet, "Joined")
 
 
-def _http_call(url: str, path: str, body: dict | None = None, timeout: float = 120.0) -> dict:
-    import httpx
-    try:
-        r = httpx.post(url.rstrip("/") + path, json=body, timeout=timeout) if body is not None else \
-            httpx.get(url.rstrip("/") + path, timeout=timeout)
-    except httpx.HTTPError as e:
-        raise ConnectionError(f"cannot reach {url}: {e}") from None
-    if r.status_code >= 400:
-        try:
-            detail = r.json().get("detail")
-        except ValueError:
-            detail = r.text
-        raise RuntimeError(f"{url} answered {r.status_code}: {detail}")
-    return r.json()
-
-
 def where_options(fn):
     fn = click.option("--run", "--run-id", "run_id", default=None, metavar="RUN",
                       callback=lambda c, p, v: _run_address(v), help=RUN_HELP)(fn)
@@ -451,7 +435,8 @@ def generate(prompt, initial_peers, http_url, run_id, checkpoint, mode, max_byte
         body = {"prompt": prompt, "mode": mode, "seed": seed, "temperature": temperature}
         if max_bytes is not None:   # else the node's default for its run and this mode
             body["max_bytes"] = max_bytes
-        res = _http_call(http_url, "/v1/generate", body)
+        from ..node.http import client as node_http
+        res = node_http.generate(http_url, body)
     else:
         from ..node.client import NetworkClient
         c = NetworkClient(_peers(initial_peers, run_id), run_id)
@@ -464,9 +449,9 @@ def generate(prompt, initial_peers, http_url, run_id, checkpoint, mode, max_byte
     if as_json:
         emit_json(res)
         return
-    click.echo(prompt + res["text"])
-    route = " -> ".join(f"b{h['block']}@{h['peer'][-8:]}" for h in res["route"])
-    err_console.print(f"[dim]route: {route}; mode {res['mode']}; traversals {res['traversals']}[/]")
+    click.echo(terminal_safe(prompt + res["text"]))   # what a model or a node sends may hold escape sequences
+    route = " -> ".join(f"b{h['block']}@{plain(h['peer'][-8:])}" for h in res["route"])
+    err_console.print(f"[dim]route: {route}; mode {plain(res['mode'])}; traversals {res['traversals']}[/]")
 
 
 @click.command("status")
@@ -477,7 +462,8 @@ def status(initial_peers, http_url, run_id, as_json):
     """Print a table of blocks x holders (state, step, throughput)."""
     _need_where(**{PEERS: _network(initial_peers, run_id), HTTP: http_url})
     if http_url:
-        st = _http_call(http_url, "/v1/status")
+        from ..node.http import client as node_http
+        st = node_http.status(http_url)
         blocks, run = st["blocks"], st["run"]
     else:
         from ..node.client import NetworkClient
@@ -493,14 +479,15 @@ def status(initial_peers, http_url, run_id, as_json):
     if as_json:
         emit_json({"run": run, "blocks": blocks})
         return
-    t = Table(title=f"run {run['run_id']} ({run['objective']}, config {run['config_hash']})")
+    t = Table(title=f"run {plain(run['run_id'])} ({plain(run['objective'])}, config {plain(run['config_hash'])})")
     for col in ("block", "holder", "state", "step", "samples/s"):
         t.add_column(col)
     for blk in blocks:
         if not blk["holders"]:
             t.add_row(str(blk["block"]), "[red]none[/]", "", "", "")
         for h in blk["holders"]:
-            t.add_row(str(blk["block"]), h["peer_id"][-12:], h["state"], str(h["step"]), f"{h['throughput']:.1f}")
+            t.add_row(str(blk["block"]), plain(h["peer_id"][-12:]), plain(h["state"]), str(h["step"]),
+                      f"{h['throughput']:.1f}")
     err_console.print(t)
     missing = [b["block"] for b in blocks if not b["holders"]]
     click.echo(f"{len(blocks) - len(missing)}/{len(blocks)} blocks held" +

@@ -3,12 +3,35 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 err_console = Console(stderr=True)
+
+
+# C0 controls but tab and newline, DEL, C1: escape sequences that can move the cursor, clear the screen,
+# retitle the window or (OSC 52) write the clipboard
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def terminal_safe(text: str, stream=None) -> str:
+    """Text a model generated or a node sent, for printing: on a terminal, control characters are shown as
+    ``\\xNN`` instead of acting (a byte-level model can emit ESC, and a hostile node anything); piped
+    output is left as it is."""
+    stream = stream if stream is not None else sys.stdout
+    if not getattr(stream, "isatty", lambda: False)():
+        return text
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def plain(value) -> str:
+    """An untrusted value (a peer id, a state a node reported) inside rich markup: no markup of its own,
+    no control characters."""
+    return escape(_CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(value)))
 
 
 def emit_json(obj: dict) -> None:
