@@ -55,10 +55,12 @@ class HopLimits:
     vocab_size: int
     max_request_bytes: int = 64 << 20
     max_inflight: int = 2
+    max_state_streams: int = 2   # block-state downloads served at once by the whole server (each holds a copy)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allowed_blocks", frozenset(int(b) for b in self.allowed_blocks))
-        for name in ("max_batch", "max_seq", "state_dim", "vocab_size", "max_request_bytes", "max_inflight"):
+        for name in ("max_batch", "max_seq", "state_dim", "vocab_size", "max_request_bytes", "max_inflight",
+                     "max_state_streams"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"HopLimits.{name} must be >= 1, got {getattr(self, name)}")
 

@@ -71,9 +71,10 @@ class BlockService(ServicerBase):
     def __init__(
         self, block_index: int, limits: HopLimits, hop_handler: HopHandler, state_provider: StateProvider | None,
         *, traffic: TrafficCounter, executor: ThreadPoolExecutor, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        unary_limit: int = UNARY_LIMIT_BYTES, inject_delay_s: float = 0.0,
+        unary_limit: int = UNARY_LIMIT_BYTES, inject_delay_s: float = 0.0, state_slots: "StateSlots | None" = None,
     ):
         self.block_index = block_index
+        self.state_slots = state_slots or StateSlots(limits.max_state_streams)
         # benchmark/testing knob (``--inject-delay-ms``): sleep this one-way delay after a hop request
         # has arrived and again before its answer leaves, so each hop's round trip gains 2x the delay
         self.inject_delay_s = inject_delay_s
@@ -197,6 +198,7 @@ class BlockService(ServicerBase):
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         self.traffic.received(request.ByteSize())
+        slot = None
         try:
             self._check_caller(context)
             meta = decode_meta(request.metadata, "request metadata")
@@ -207,6 +209,7 @@ class BlockService(ServicerBase):
                 raise HopRequestError("unknown_block", f"this service serves block {self.block_index}, not {block!r}")
             if self.state_provider is None:
                 raise HopRequestError("unknown_block", f"this node does not share the state of block {block}")
+            slot = self.state_slots.take(context.remote_id)   # before the copy below: a bounded number exist
             loop = asyncio.get_running_loop()
             try:
                 state_meta, tensors = await loop.run_in_executor(self._executor, self.state_provider, block)
@@ -220,17 +223,23 @@ class BlockService(ServicerBase):
             except (TypeError, ValueError) as e:
                 raise HopRequestError("internal", f"state metadata is not JSON-serialisable: {e}") from e
         except Exception as e:
+            if slot is not None:
+                slot.release()
             msg = self._failure(e, "", context)
             self.traffic.sent(msg.ByteSize())
             yield msg
             return
-        self.traffic.call(ok=True)
-        first = runtime_pb2.ExpertResponse(metadata=head)
-        self.traffic.sent(first.ByteSize())
-        yield first
-        loop = asyncio.get_running_loop()
+        # the whole answer has a deadline (twice what a downloader allows itself at 1 MB/s, at least 60 s):
+        # a caller that stops reading would otherwise hold the copy and the slot for as long as it likes
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        slot.watch(asyncio.current_task(), max(STATE_STREAM_MIN_S, 20.0 + 2.0 * size / STATE_STREAM_MIN_RATE_B_S))
         done = 0
         try:
+            self.traffic.call(ok=True)
+            first = runtime_pb2.ExpertResponse(metadata=head)
+            self.traffic.sent(first.ByteSize())
+            yield first
+            loop = asyncio.get_running_loop()
             for name in names:
                 pb = await loop.run_in_executor(self._executor, encode_tensor, tensors[name])  # big copies off-loop
                 for part in split_parts(pb, self.chunk_bytes):
@@ -241,6 +250,60 @@ class BlockService(ServicerBase):
         except (GeneratorExit, asyncio.CancelledError) as e:
             log_cut(f"block {self.block_index}'s state to {context.remote_id}", f"{done} of {len(names)} tensors", e)
             raise
+        finally:
+            slot.release()
+
+
+STATE_STREAM_MIN_S = 60.0             # a state answer's deadline, at least
+STATE_STREAM_MIN_RATE_B_S = 1e6        # ... and 20 s + twice its size at this rate (node/state_fetch.py: 1 MB/s)
+
+
+class StateSlots:
+    """How many block-state answers a server streams at once (``HopLimits.max_state_streams``, shared by
+    all its blocks). Each holds a copy of its block until its caller has read it, so unbounded they let any
+    peer grow a node's memory by a block per request it leaves unread (measured: 40 streams, +1.4 GB for
+    a 25 MB block). A request over the limit is refused ``busy`` before anything is copied; an answer not
+    read within its deadline is cut (its handler task cancelled), which frees its slot. Event-loop only."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.active = 0
+        self.refused = 0
+        self.cut = 0
+
+    def take(self, peer) -> "_StateSlot":
+        if self.active >= self.limit:
+            self.refused += 1
+            raise HopRequestError("busy", f"this node is sending its block state to {self.active} peers, its limit; "
+                                          "ask another holder or retry shortly")
+        self.active += 1
+        return _StateSlot(self, peer)
+
+
+class _StateSlot:
+    def __init__(self, slots: StateSlots, peer):
+        self.slots, self.peer = slots, peer
+        self._timer: asyncio.TimerHandle | None = None
+        self._held = True
+
+    def watch(self, task: asyncio.Task | None, deadline_s: float) -> None:
+        if task is not None:
+            self._timer = asyncio.get_running_loop().call_later(deadline_s, self._expire, task, deadline_s)
+
+    def _expire(self, task: asyncio.Task, deadline_s: float) -> None:
+        if self._held:
+            self.slots.cut += 1
+            logger.warning("block state to %s not read within %.0f s: cut", self.peer, deadline_s)
+            self.release()
+            task.cancel()
+
+    def release(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._held:
+            self._held = False
+            self.slots.active -= 1
 
 
 def log_cut(what: str, sent: str, e: BaseException) -> None:
@@ -298,6 +361,7 @@ class BlockRPCServer:
         self.unary_limit = unary_limit
         self.traffic = TrafficCounter()
         self._executor = ThreadPoolExecutor(max_workers=limits.max_inflight + 1, thread_name_prefix="bt-hop")
+        self.state_slots = StateSlots(limits.max_state_streams)   # node-wide: every block's answers count
         self._services: dict[int, BlockService] = {}
 
     async def add_block(self, block_index: int) -> None:
@@ -309,7 +373,7 @@ class BlockRPCServer:
         svc = BlockService(
             block_index, self.limits, self.hop_handler, self.state_provider, traffic=self.traffic,
             executor=self._executor, chunk_bytes=self.chunk_bytes, unary_limit=self.unary_limit,
-            inject_delay_s=self.inject_delay_s,
+            inject_delay_s=self.inject_delay_s, state_slots=self.state_slots,
         )
         svc.authorize = self.authorize
         await svc.add_p2p_handlers(self.p2p, namespace=namespace(self.run_id, block_index))

@@ -121,7 +121,7 @@ def _one_line_error(r, *needles):
     ("/error", ["answered 500"])])
 def test_a_wrong_answer_is_one_clear_error(hostile, path, needles):
     _one_line_error(bt("generate", "hi", "--http", hostile + path), *needles)
-    if path != "/no-text":
+    if path in ("/not-json", "/error"):   # the same reader serves status (its shape: the markup test)
         _one_line_error(bt("status", "--http", hostile + path), *needles[:1])
 
 
