@@ -376,7 +376,7 @@ def load_checkpoint_dir(directory: str | os.PathLike[str], *, expected_config_ha
         try:
             config = ModelConfig.load(cfg_path)
         except ConfigError as e:
-            raise CheckpointError(f"{cfg_path}: {e}") from None
+            raise CheckpointError(str(e)) from None   # its message names the file
         origin = str(cfg_path)
     elif not files:
         raise CheckpointError(f"{d}: no {CONFIG_FILENAME} and no block files (blockNN.safetensors)")

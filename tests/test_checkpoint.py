@@ -268,6 +268,12 @@ def test_checkpoint_dir_round_trip_and_errors(tmp_path):
     with pytest.raises(CheckpointError, match="holds block 2, expected block 1"):
         load_checkpoint_dir(tmp_path)
 
+    # a broken config.json: named once, with the problem
+    (tmp_path / "config.json").write_text("{")
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint_dir(tmp_path)
+    assert str(e.value).count("config.json") == 1 and "not valid JSON" in str(e.value), str(e.value)
+
 
 def test_save_rejects_bad_arguments(tmp_path):
     sd = {"w": torch.zeros(2)}
