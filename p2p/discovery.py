@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from functools import partial
@@ -247,6 +248,12 @@ class Discovery:
                         f"identity {ident.identity_path} (peer {ident.peer_id}) is already used by a live node of "
                         f"this network; give this node its own identity/data directory"
                     ) from e
+                skew = clock_skew(e)
+                if skew is not None:
+                    raise DiscoveryError(
+                        f"this machine's clock is {abs(skew):.0f} s {'behind' if skew < 0 else 'ahead of'} its initial "
+                        f"peers' (the DHT accepts 3 s): set the time (turn on NTP, e.g. `timedatectl set-ntp true`) "
+                        f"and start again") from e
                 where = f"through initial peers {peers}" if peers else f"on {hosts}"
                 raise DiscoveryError(f"could not start a DHT node {where}: {type(e).__name__}: {e}") from e
         self = cls(dht, key, ttl=ttl)
@@ -582,6 +589,16 @@ class Discovery:
         """Live holders per block: signed by the peer they name, not tombstoned, state joining/online,
         matching ``config_hash`` (default: the run manifest's)."""
         return self._sync(self.alist_holders(run_id, config_hash), "list_holders")
+
+
+_SKEW = re.compile(r"local time must be within .*?local: ([0-9.]+), peer: ([0-9.]+)", re.S)
+
+
+def clock_skew(e: BaseException) -> float | None:
+    """Seconds this machine's clock is ahead of a peer's (negative: behind), read from hivemind's refusal
+    to bootstrap with a peer whose time differs by more than its 3 s; None for any other error."""
+    m = _SKEW.search(str(e))
+    return float(m.group(1)) - float(m.group(2)) if m else None
 
 
 def _kill_dht(dht: DHT) -> bool:
