@@ -49,7 +49,8 @@ def build_status(node) -> NodeStatus:
     traffic = a.traffic()
     counters = {"peers_banned_total": node.route_bans.total + a.bans.total,
                 "checkpoints_written_total": node.checkpoints_written,
-                "checkpoints_failed_total": node.checkpoints_failed}
+                "checkpoints_failed_total": node.checkpoints_failed,
+                "dht_records_refused_total": sum(node.discovery.storage_refusals().values())}
     engine = getattr(node, "pipeline", None)
     if engine is not None:
         from blocktrain.node.pipeline.compose import pipeline_counters

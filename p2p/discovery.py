@@ -36,6 +36,7 @@ from blocktrain.p2p.dht_schema import (
     block_subkey, blocks_key, live_manifest_entries, make_validators, manifest_key, owner_marker, parse_holders,
     parse_manifests, run_schema_validator,
 )
+from blocktrain.p2p.dht_guard import guard_storage, refusals
 from blocktrain.p2p.errors import (
     ConfigMismatchError, DiscoveryError, IdentityError, IdentityInUseError, ManifestConflictError,
     RecordError, RunNotFoundError,
@@ -263,12 +264,21 @@ class Discovery:
         if self.peer_id != ident.peer_id:
             self.shutdown(withdraw=False)
             raise IdentityError(f"the DHT runs as {self.peer_id} but identity {ident.identity_path} is {ident.peer_id}")
+        dht.run_coroutine(guard_storage)   # what other peers may make this node's DHT keep (dht_guard.py)
         self._followed.update(runs)
         if private:
             self.reachability, self.relays = "private", list(dict.fromkeys([*answered, *peers]))
         elif not client_mode:
             dht.run_coroutine(serve_dial_back)
         return self
+
+    def storage_refusals(self) -> dict[str, int]:
+        """Records other peers asked this node's DHT to keep and it refused, by reason (dht_guard.py)."""
+        try:
+            return self.dht.run_coroutine(refusals)
+        except Exception as e:   # a DHT that is stopping: nothing to report
+            logger.debug("reading the DHT's refusals: %s", e)
+            return {}
 
     def shutdown(self, *, withdraw: bool = True, timeout: float = 15.0) -> bool:
         """Stop refreshing, optionally leave tombstones (waiting up to ``timeout`` s), stop the DHT
