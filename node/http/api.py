@@ -306,8 +306,8 @@ def create_app(backend: ApiBackend, *, max_concurrent: int = 4, rate_per_s: floa
         with flight_lock:
             if in_flight.get(client, 0) >= per_client_heavy:
                 counters["rejected_busy"] += 1
-                raise HTTPException(503, f"this address already has {per_client_heavy} requests in flight on this "
-                                         "node (its share); send the next when one has finished")
+                raise HTTPException(503, f"node busy for this address: it already has {per_client_heavy} requests in "
+                                         "flight here (its share); send the next when one has finished")
             if not heavy.acquire(blocking=False):
                 counters["rejected_busy"] += 1
                 raise HTTPException(503, "node busy: too many requests in flight, retry shortly")
