@@ -22,8 +22,11 @@ A move from block m to block t (:meth:`Rebalancer.move`), while the node keeps t
    chain-trained block the chain's held-out CE with it in place; worse than a fresh block's is refused and
    the next holder asked); no acceptable offer: the move is abandoned (the ``joining`` record is
    tombstoned), nothing of block m changed;
-3. if block m has no other ready holder any more (they left during the download), the move is
-   abandoned as in 2: leaving would only trade one empty block for another;
+3. look at the DHT again (:func:`~blocktrain.node.routing.selection.switch_counts`): if block m would
+   keep fewer than ``min_keep`` ready holders and no more than t will have (its holders left during the
+   download, or another donor of m decided on a view that did not show this node's move: the one with
+   the smaller peer id goes, the other defers), the move is abandoned as in 2: leaving would only trade
+   one short block for another;
 4. start t's averager (a child process), serve t's hops and state, then switch: trainer, averager,
    router, announcement (t ``online``); m's checkpoint is written and m's record tombstoned;
 5. after a grace period (routers cache holder lists for 3 s) stop serving m and its averager.
@@ -47,7 +50,8 @@ import threading
 import time
 
 from blocktrain.node.pipeline.compose import PreparedSwitch
-from blocktrain.node.routing.selection import RebalancePolicy, block_load, choose_rebalance, ready_load
+from blocktrain.node.routing.selection import (RebalancePolicy, block_load, choose_rebalance, may_switch, ready_load,
+                                               switch_counts)
 from blocktrain.node.state_fetch import state_bytes, transfer_timeout
 
 log = logging.getLogger(__name__)
@@ -127,8 +131,7 @@ class Rebalancer:
                 trainer, fetched = self._download(t, holders)
                 if stop.is_set():
                     raise MoveRefused("the node is stopping")
-                if not self._others_ready(m):   # they left while this node downloaded: do not empty m
-                    raise MoveRefused(f"block {m} has no other ready holder now: leaving would empty it")
+                self._check_switch(m, t)   # m's holders may have left (or moved) while this node downloaded
                 new_avg = n.new_averager(trainer)
                 if n.pipeline is not None:   # chain-trained: t's engine, its rpc_train up but refusing until committed
                     switch = PreparedSwitch(n, trainer)
@@ -176,13 +179,16 @@ class Rebalancer:
         raise MoveRefused(f"block {m} would keep {confirmed} confirmed holder(s) besides this node "
                           f"(asked {min(len(others), CONFIRM_TRIES)} of {len(others)} announced), fewer than {need}")
 
-    def _others_ready(self, m: int) -> bool:
-        """Does block m have a ready (online) holder besides this node, as the DHT says now? Checked
-        after the download, just before the switch: holders that confirmed at the start may have left
-        meanwhile, and a move that leaves m with none would only trade one empty block for another."""
+    def _check_switch(self, m: int, t: int) -> None:
+        """Just before the switch, on a fresh DHT view: holders that confirmed at the start may have left
+        meanwhile, and a donor of m that decided within the same period (neither saw the other's move)
+        may be leaving too. Refuses the move unless m keeps ``min_keep`` ready holders or more than t
+        will have (:func:`~blocktrain.node.routing.selection.may_switch`)."""
         n = self.node
-        return any(a.state == "online" and a.peer_id != n.peer_id
-                   for a in n.discovery.list_holders(n.run_id).get(m, []))
+        keep, come = switch_counts(n.discovery.list_holders(n.run_id), n.cfg.n_blocks, m, t, n.peer_id)
+        if not may_switch(keep, come, self.policy):
+            raise MoveRefused(f"block {m} would keep {keep} ready holder(s) and block {t} has {come} besides "
+                              f"this node: leaving would only trade one short block for another")
 
     def _download(self, t: int, holders: dict):
         """A trainer of block t holding the best checked state of up to ``--state-sources`` of t's live

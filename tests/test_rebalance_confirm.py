@@ -40,7 +40,7 @@ class _NoDHT:
 
 def _rebalancer(answers: dict) -> tuple[Rebalancer, _Answers]:
     client = _Answers(answers)
-    node = SimpleNamespace(peer_id="me", run_id=RUN, cfg=SimpleNamespace(config_hash=HASH), client=client,
+    node = SimpleNamespace(peer_id="me", run_id=RUN, cfg=SimpleNamespace(config_hash=HASH, n_blocks=2), client=client,
                            ranking=HolderRanking(), block_index=1, moving_to=None, block_since=0.0,
                            discovery=_NoDHT())
     return Rebalancer(node, dwell_s=600.0, period_s=10.0), client
@@ -124,28 +124,77 @@ def test_a_move_does_not_switch_away_from_the_last_ready_holder():
     keepers confirmed at the start left meanwhile; a joiner still downloading does not count), the
     move is abandoned rather than trading one empty block for another."""
     r, _ = _rebalancer({})
-    r.node.discovery = _Holders({1: [Holder(1, "me"), Holder(1, "j", "joining")]})
-    assert not r._others_ready(1)
-    r.node.discovery = _Holders({1: [Holder(1, "me"), Holder(1, "a")]})
-    assert r._others_ready(1)
+    r.node.discovery = _Holders({1: [Holder(1, "me"), Holder(1, "j", "joining")], 0: [Holder(0, "t")]})
+    with pytest.raises(MoveRefused, match="block 1 would keep 0 ready holder"):
+        r._check_switch(1, 0)
+    r.node.discovery = _Holders({1: [Holder(1, "me"), Holder(1, "a"), Holder(1, "b")], 0: [Holder(0, "t")]})
+    r._check_switch(1, 0)   # keeps 2 (min_keep): no exception
+
+
+def _move(me: str, view: dict) -> tuple[Rebalancer, list]:
+    """A whole move of ``me`` from block 1 to block 0, decided on a view where a, b and c hold block 1 too:
+    the keepers confirm, the download succeeds, then the DHT shows ``view``. Returns the rebalancer and the trainers the move switched to."""
+    r, _ = _rebalancer({p: OK for p in ("a", "b", "c", "m")})
+    n = r.node
+    n.peer_id = me
+    switched = []
+    n.discovery = _Holders(view)
+    n.announcements = lambda: [Holder(1, me), Holder(0, me, "joining")]
+    n.new_averager = lambda trainer: SimpleNamespace(shutdown=lambda: True)
+    n._serving, n.stop_event, n._error, n.pipeline = {}, threading.Event(), lambda msg: None, None
+    r._download = lambda t, holders: (SimpleNamespace(step=0), SimpleNamespace(peer="t"))
+    r._switch = lambda m, trainer, new_avg, switch: switched.append(trainer)
+    r._reannounce = lambda withdraw_block: None
+    r._retire = lambda m, switch=None: None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("blocktrain.node.rebalance.GRACE_S", 0.0)
+        r.move(0, {1: [Holder(1, p) for p in sorted({me, "a", "b", "c"})], 0: [Holder(0, "t")]},
+               threading.Event())
+    return r, switched
 
 
 def test_a_move_whose_old_block_emptied_during_the_download_is_abandoned_before_the_switch():
     """The whole move: the keepers confirm, the download succeeds, then the DHT shows no other online
-    holder of block 1: the move is refused there (no new averager, no switch), its joining record
-    withdrawn, the node still on block 1."""
-    r, _ = _rebalancer({"a": OK, "b": OK})
+    holder of block 1: the move is refused there (no switch), its joining record withdrawn, the node
+    still on block 1."""
+    r, switched = _move("me", {1: [Holder(1, "me"), Holder(1, "j", "joining")], 0: [Holder(0, "t"), Holder(0, "me", "joining")]})
     n = r.node
-    switched = []
-    n.discovery = _Holders({1: [Holder(1, "me"), Holder(1, "j", "joining")]})   # a and b left meanwhile
-    n.announcements = lambda: [Holder(1, "me"), Holder(0, "me", "joining")]
-    n.new_averager = lambda trainer: switched.append(trainer) or SimpleNamespace(shutdown=lambda: True)
-    n._serving, n.stop_event, n._error = {}, threading.Event(), lambda msg: None
-    r._download = lambda t, holders: (SimpleNamespace(step=0), SimpleNamespace(peer="a"))
-    assert r.move(0, _holders(["a", "b"]), threading.Event()) is None
     assert not switched and n.block_index == 1 and n.moving_to is None
-    assert "no other ready holder" in r.refused[-1]["reason"]
-    assert n.discovery.calls[0] == "announce" and "withdraw" in n.discovery.calls
+    assert "would keep 0 ready holder" in r.refused[-1]["reason"]
+
+
+def test_two_donors_that_decided_together_do_not_both_leave():
+    """CI 83 (RELIABILITY gap 8): block 1 held by three nodes, block 0 by one. Two of block 1's holders
+    ("b" and a second mover) decided to rescue block 0 within one period, each on a view without the
+    other's move; both downloaded. At the switch the view shows both movers: the one with the smaller
+    peer id switches, the other abandons, so block 1 keeps two ready holders (and nobody has to move
+    back). Before: both switched (block 1 had one other ready holder, "c"), block 1 fell to one."""
+    def view(me: str) -> dict:
+        return {1: [Holder(1, me), Holder(1, "b"), Holder(1, "c")],
+                0: [Holder(0, "t"), Holder(0, me, "joining"), Holder(0, "b", "joining")]}
+    r, switched = _move("m", view("m"))      # "b" < "m": b goes first, m defers
+    assert not switched and r.node.block_index == 1 and r.refused
+    assert "block 1 would keep 1 ready holder(s) and block 0 has 2" in r.refused[-1]["reason"]
+    r, switched = _move("a", view("a"))      # "a" < "b": a goes, b will defer
+    assert switched and not r.refused
+    # b already switched (its record of block 1 not yet tombstoned in this view): it has left
+    r, switched = _move("m", {1: [Holder(1, "m"), Holder(1, "b"), Holder(1, "c")],
+                              0: [Holder(0, "t"), Holder(0, "m", "joining"), Holder(0, "b")]})
+    assert not switched
+
+
+def test_switch_counts_tell_movers_apart_the_same_way_on_every_node():
+    """Every node reads the same view and the same order of peer ids: of k movers out of a block with s
+    stayers, exactly min(k, max(0, s + k - min_keep)) switch (when the target is no shorter), never all."""
+    from blocktrain.node.routing.selection import may_switch, switch_counts
+    for stayers in range(0, 4):
+        for movers in range(1, 5):
+            ids = [f"p{i}" for i in range(movers)]
+            view = {1: [Holder(1, f"s{i}") for i in range(stayers)] + [Holder(1, p) for p in ids],
+                    0: [Holder(0, "t0"), Holder(0, "t1")] + [Holder(0, p, "joining") for p in ids]}
+            go = [p for p in ids if may_switch(*switch_counts(view, 2, 1, 0, p))]
+            assert len(go) == min(movers, max(0, stayers + movers - 2)), (stayers, movers, go)
+            assert go == ids[:len(go)]   # the smallest ids
 
 
 class _States:

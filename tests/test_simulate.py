@@ -186,7 +186,7 @@ def test_moves_take_their_own_time_when_given():
 def test_a_move_that_would_empty_its_old_block_is_abandoned():
     """Member 0 starts moving from block 0 to block 1; the two other holders of block 0 leave while it
     downloads. When the download ends the member is block 0's last ready holder: it stays (as the node
-    does, ``Rebalancer._others_ready``), and block 0 never empties."""
+    does, ``selection.may_switch``), and block 0 never empties."""
     sim = Simulation(replace(STILL, members=4, blocks=2, initial_layout=(0, 0, 0, 1), warmup_h=0.0))
     sim.start()
     sim.set_rec(0, 1, "joining")
@@ -196,14 +196,22 @@ def test_a_move_that_would_empty_its_old_block_is_abandoned():
     sim.ready_event(0, (sim.session[0], 1))
     assert sim.block[0] == 0 and sim.pending[0] == -1 and sim.ready == [1, 1]
     assert sim.recs[0] == {0: "online"} and sim.abandoned == 1 and sim.episodes == 0
-    # with one other ready holder left, the move lands
-    sim = Simulation(replace(STILL, members=4, blocks=2, initial_layout=(0, 0, 0, 1), warmup_h=0.0))
-    sim.start()
-    sim.set_rec(0, 1, "joining")
-    sim.set_pending(0, 1, move=True)
-    sim.leave(1, None, graceful=True)
-    sim.ready_event(0, (sim.session[0], 1))
-    assert sim.block[0] == 1 and sim.ready == [1, 2] and sim.abandoned == 0
+
+
+def test_a_move_that_would_only_trade_one_short_block_for_another_is_abandoned():
+    """Block 0 held by members 0-2, block 1 by member 3. Member 0 moves; member 1 leaves meanwhile. Block 0
+    would keep one ready holder and block 1 has one: switching gains nothing (1 and 2 instead of 2 and 1),
+    so the member stays. If block 1's holder has left too, the move lands: 1 and 1 beats 2 and 0."""
+    for leave, landed in (((1,), False), ((1, 3), True)):
+        sim = Simulation(replace(STILL, members=4, blocks=2, initial_layout=(0, 0, 0, 1), warmup_h=0.0))
+        sim.start()
+        sim.set_rec(0, 1, "joining")
+        sim.set_pending(0, 1, move=True)
+        for m in leave:
+            sim.leave(m, None, graceful=True)
+        sim.ready_event(0, (sim.session[0], 1))
+        assert (sim.block[0] == 1) == landed and sim.abandoned == (0 if landed else 1)
+        assert sim.ready == ([1, 1] if landed else [2, 0] if 3 in leave else [2, 1])
 
 
 def test_judged_downloads_take_one_transfer_per_state_compared():

@@ -28,7 +28,7 @@ from math import comb
 import numpy as np
 
 from blocktrain.node.routing.selection import (
-    Holder, block_load, choose_block, least_held, ready_load, rebalance_target,
+    Holder, block_load, choose_block, least_held, may_switch, ready_load, rebalance_target, switch_counts,
 )
 
 from .model import DAY, HOUR, SimSettings
@@ -101,7 +101,7 @@ class Simulation:
         self.urgent_moves = 0           # moves to a block that had fewer than urgent_below ready holders
         self.reserve_moves = 0          # moves to a block in the reserve tier (urgent_below <= ready < reserve_below)
         self.joins = 0
-        self.abandoned = 0              # moves abandoned at the switch: the mover was its old block's last ready holder
+        self.abandoned = 0              # moves abandoned at the switch (selection.may_switch: the old block would be left short)
 
     # -- plumbing --------------------------------------------------------------------------------
     def push(self, t: float, kind: int, m: int = -1, arg=None) -> None:
@@ -159,6 +159,17 @@ class Simulation:
             for b, st in recs.items():
                 h.setdefault(b, []).append(Holder(b, f"m{m}", st, float(self.tput[m])))
         return h
+
+    def switch_counts(self, m: int, old: int, b: int) -> tuple[int, int]:
+        """``selection.switch_counts`` at member m's switch from ``old`` to ``b``, on the announced records of
+        the members that hold a record of either block (all it reads)."""
+        view: dict[int, list[Holder]] = {}
+        for p, recs in enumerate(self.recs):
+            if old not in recs and b not in recs:
+                continue
+            for c, st in recs.items():
+                view.setdefault(c, []).append(Holder(c, f"m{p}", st))
+        return switch_counts(view, self.s.blocks, old, b, f"m{m}")
 
     def serve(self, m: int, b: int, how: str = "join") -> None:
         self.block[m] = b
@@ -246,8 +257,8 @@ class Simulation:
             return
         self.set_pending(m, -1)
         old = self.block[m]
-        if old >= 0 and not self.ann_online[old] - {m}:   # no other online record of its old block: the node
-            self.set_rec(m, b, None)                       # abandons the move (node/rebalance.py), stays put
+        if old >= 0 and not may_switch(*self.switch_counts(m, old, b), self.s.policy):   # the node abandons
+            self.set_rec(m, b, None)                       # the move (node/rebalance.py), stays put
             self.switch_t[m] = math.inf
             self.held_since[m] = self.now
             self.abandoned += self.now >= self.t0

@@ -55,7 +55,12 @@ announce the new block as ``joining`` and download it while still serving the ol
 withdraw the old announcement. Meanwhile :func:`block_load` counts the mover in the block it is
 joining and not in the one it is leaving: the others neither rush to fill the same hole nor leave
 the old block believing the mover will stay (with a consistent view, rule 3 then holds for the
-block as it will be once every move in flight has finished).
+block as it will be once every move in flight has finished). The view can still be inconsistent: two
+donors that check within one period, before either's ``joining`` record is stored, both pass rule 3 on
+a view without the other. So just before the switch the node reads the view again and switches only if
+:func:`may_switch` on :func:`switch_counts` says so: the old block keeps ``min_keep`` ready holders, or
+more than the new one will have; movers out of one block are told apart by peer id (the smaller goes).
+Before this check (CI 83, 2026-12-06) two such donors both switched and one moved back.
 """
 from __future__ import annotations
 
@@ -66,7 +71,7 @@ from typing import Protocol
 
 __all__ = [
     "HolderRecord", "Holder", "RebalancePolicy", "block_load", "ready_load", "least_held", "choose_block",
-    "rebalance_target", "choose_rebalance",
+    "rebalance_target", "choose_rebalance", "switch_counts", "may_switch",
 ]
 
 
@@ -255,3 +260,41 @@ def choose_rebalance(holders: Mapping[int, Sequence[HolderRecord]], n_blocks: in
         counts[my_block] += 1
         ready[my_block] += 1
     return rebalance_target(counts, tputs, my_block, held_for_s=held_for_s, draw=draw, policy=policy, ready=ready)
+
+
+def switch_counts(holders: Mapping[int, Sequence[HolderRecord]], n_blocks: int, leaving: int, joining: int,
+                  my_peer_id: str) -> tuple[int, int]:
+    """At a move's switch (make before break, its last step): the ready holders block ``leaving`` keeps
+    once this node has gone, and the holders block ``joining`` will have besides this node, as the
+    announced view says now. Movers whose decisions did not see each other (two donors that checked
+    within one announcement period) are told apart by peer id, the same order for every node: a holder
+    of ``leaving`` moving elsewhere (online there, ``joining`` another block) with a smaller id than this
+    node's goes first (it has left); one with a larger id defers to this node (it stays, and counts).
+    When unsure, count so that this node stays: a holder of ``leaving`` live in another block too (it
+    switched; its old record lives out the tombstone's way) has left; every other live holder of
+    ``joining`` counts there, joiners still downloading included, except movers from ``leaving`` that
+    defer to this node."""
+    live: dict[str, dict[int, str]] = {}
+    for b, anns in holders.items():
+        if 0 <= b < n_blocks:
+            for a in anns:
+                if a.is_live and a.peer_id != my_peer_id:
+                    live.setdefault(a.peer_id, {})[b] = a.state
+    keep = come = 0
+    for peer, recs in live.items():
+        moving = any(st == "joining" for c, st in recs.items() if c != leaving)
+        was_mine = recs.get(leaving) == "online"
+        defers = was_mine and moving and peer > my_peer_id
+        if was_mine and (len(recs) == 1 or defers):
+            keep += 1
+        if joining in recs and not (defers and recs[joining] == "joining"):
+            come += 1
+    return keep, come
+
+
+def may_switch(keep: int, come: int, policy: RebalancePolicy = RebalancePolicy()) -> bool:
+    """Should a move switch, given :func:`switch_counts`? Yes if the old block keeps ``min_keep`` ready
+    holders (rule 3, as the rule decided), or if it keeps more than the new block will have: the move
+    still raises the lower of the two. Otherwise it only trades one short block for another (or two
+    movers that did not see each other would both leave): the move is abandoned."""
+    return keep >= policy.min_keep or keep > come
