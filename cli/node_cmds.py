@@ -123,7 +123,8 @@ def _run_node(opts: NodeOptions, ready_file: str | None, quiet: bool, banner: st
         node.stop()
         steps = ", ".join(f"{name} {took:.2f}" for name, took in node.teardown.timings)
         problems = "; problems: " + "; ".join(node.teardown.errors) if node.teardown.errors else ""
-        click.echo(f"left the run in {time.monotonic() - t0:.2f} s ({steps}){problems}", err=True)
+        if node.teardown.timings or problems:   # nothing started (a bad directory, file or flag): nothing to leave
+            click.echo(f"left the run in {time.monotonic() - t0:.2f} s ({steps}){problems}", err=True)
     if node.failure:
         raise click.ClickException("node stopped after an error: " + node.failure)
 

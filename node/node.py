@@ -118,7 +118,10 @@ class Node:
     def start(self) -> "Node":
         o, td = self.opts, self.teardown
         tune_malloc()   # node/memory.py: return freed heap to the system
-        o.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            o.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:   # a path under a file, a read-only or missing mount: say which directory
+            raise OSError(f"cannot use checkpoint directory {o.checkpoint_dir}: {e.strerror or e}") from None
         self.auth = RunAuth.build(o.allowed_peers, o.run_secret_file)   # bad secret file: fail before the DHT
         fresh_identity = not (o.checkpoint_dir / "identity.key").exists()
         identity = NodeIdentity.load_or_create(o.checkpoint_dir / "identity.key")

@@ -498,6 +498,7 @@ def test_corrupt_files_are_named_with_the_problem(tmp_path):
     ident = tmp_path / "c"                           # an identity file that is not a key
     ident.mkdir()
     (ident / "identity.key").write_bytes(b"\x00garbage")
+    (tmp_path / "file").write_text("not a directory")   # a checkpoint directory that cannot be made
     half_dir = tmp_path / "d"                        # a checkpoint cut in half
     half_dir.mkdir()
     conf = ModelConfig(n_blocks=1, d_model=32, n_heads=2, seq_len=32, target_dim=16)
@@ -510,6 +511,7 @@ def test_corrupt_files_are_named_with_the_problem(tmp_path):
         "secret": ["seed", "--run-id", "r", "--run-secret-file", str(sec), "--checkpoint-dir", str(tmp_path / "b"),
                    *base],
         "identity": ["seed", "--run-id", "r", "--checkpoint-dir", str(ident), *base],
+        "directory": ["seed", "--run-id", "r", "--checkpoint-dir", str(tmp_path / "file" / "ckpt"), *base],
         "checkpoint": ["seed", "--run-id", "r", "--checkpoint-dir", str(half_dir), *base],
     }
     from click.testing import CliRunner
@@ -524,7 +526,7 @@ def test_corrupt_files_are_named_with_the_problem(tmp_path):
     res = {}
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for name in ("config", "secret", "identity"):   # these fail before any network: run them in-process
+        for name in ("config", "secret", "identity", "directory"):   # these fail before any network: run them in-process
             res[name] = _R(CliRunner().invoke(cli, runs[name]))
     finally:   # the node command installs its own signal handlers
         for sig, h in saved.items():
@@ -532,11 +534,13 @@ def test_corrupt_files_are_named_with_the_problem(tmp_path):
     res["checkpoint"] = _cli(*runs["checkpoint"], timeout=240)   # this one starts a DHT first: a real process
     expect = {"config": [str(cfg), "TOML"], "secret": [str(sec), "at least 16"],
               "identity": ["identity.key", "not a libp2p private key"],
+              "directory": [f"cannot use checkpoint directory {tmp_path / 'file' / 'ckpt'}", "Not a directory"],
               "checkpoint": ["block00.safetensors", "truncated or corrupted"]}
     for name, r in res.items():
         assert r.returncode == 1, (name, r.returncode, r.stderr[-1500:])
         assert "Traceback" not in r.stderr, (name, r.stderr[-1500:])
         for frag in expect[name]:
             assert frag in r.stderr, (name, frag, r.stderr[-1500:])
+    assert "left the run" not in res["directory"].stderr   # nothing had started: nothing to leave
     assert p.read_bytes() == half, "a node that failed to load a checkpoint must not overwrite it"
     COUNTS["cli_bad_flags_and_files"] += len(BAD_FLAGS) + len(runs)
