@@ -1,4 +1,6 @@
 #!/bin/bash
+# "old" ran the tree of 66f9257 from a git worktree at /tmp/simold, put first on sys.path through
+# /tmp/simold_pkg/blocktrain -> /tmp/simold (PYTHONPATH beats the editable install of this checkout); "new" this checkout.
 . /work/venv/bin/activate
 cd /tmp/simcmp
 common="--seeds 5 --blocks 32 --churn harsh --policy rebalance --json"
