@@ -64,6 +64,10 @@ def simulate_table(res: dict) -> Table:
 @click.option("--parallel-states", type=click.IntRange(1, 16), default=None,
               help="States a member's downlink carries at once at a holder's uplink speed: a join or a move "
                    "takes --transfer-s x ceil(states / this) more [1].")
+@click.option("--record-lag-s", type=click.FloatRange(0), default=None,
+              help="Seconds before the others see a join's or a move's `joining` record (the DHT store); members "
+                   "then check for moves at their own phase of the period, seeing only moves decided that long "
+                   "before [0: at once]. Under the 10 s announcement period (TTL 30 s / 3).")
 @click.option("--round-window-s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Averaging round window (matchmaking + all-reduce), seconds [8].")
 @click.option("--hop-failure", type=click.FloatRange(0, 1, max_open=True), default=None,
@@ -94,7 +98,7 @@ def simulate_table(res: dict) -> Table:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @friendly
 def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, session_dist, session_median_h,
-                       session_sigma, pareto_alpha, download_median_s, move_median_s, state_sources, transfer_s, parallel_states, round_window_s, hop_failure, graceful, policy, min_surplus, min_keep,
+                       session_sigma, pareto_alpha, download_median_s, move_median_s, state_sources, transfer_s, parallel_states, record_lag_s, round_window_s, hop_failure, graceful, policy, min_surplus, min_keep,
                        min_dwell_s, urgent_below, urgent_inflight, reserve_below, reserve_inflight, seeds, seed, plot, record, as_json):
     """Simulate a volunteer network under churn: block coverage, averaging, generation, moves.
 
@@ -118,7 +122,7 @@ def bench_simulate_cmd(members, days, warmup_h, blocks, churns, join_rate, sessi
     named = {"join_rate_per_day": join_rate, "session_dist": session_dist, "session_median_h": session_median_h,
              "session_sigma": session_sigma, "pareto_alpha": pareto_alpha, "download_median_s": download_median_s,
              "move_median_s": move_median_s, "state_sources": state_sources, "transfer_s": transfer_s,
-             "parallel_states": parallel_states,
+             "parallel_states": parallel_states, "record_lag_s": record_lag_s,
              "round_window_s": round_window_s, "hop_failure": hop_failure,
              "graceful_fraction": graceful}
     overrides = {k: v for k, v in named.items() if v is not None}

@@ -1,6 +1,7 @@
 """bench/sim: the churn simulator, on small fast cases (tens of members, hours not days)."""
 from __future__ import annotations
 
+import heapq
 import json
 from dataclasses import replace
 
@@ -8,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from blocktrain.bench.sim import SimSettings, run_simulation, simulate
-from blocktrain.bench.sim.engine import READY, Simulation
+from blocktrain.bench.sim.engine import READY, RECORD, Simulation
 from blocktrain.cli.main import cli
 from blocktrain.node.routing.selection import RebalancePolicy
 
@@ -232,3 +233,54 @@ def test_judged_downloads_take_one_transfer_per_state_compared():
     assert ready_at(transfer_s=100.0, state_sources=2, parallel_states=2) == pytest.approx(base + 100.0)   # a fast downlink
     with pytest.raises(ValueError, match="state_sources"):
         replace(STILL, state_sources=0).validate()
+
+
+def test_joiners_within_the_record_lag_do_not_see_each_other():
+    """``record_lag_s``: a join's ``joining`` record reaches the others that long after it. Two members that
+    join at once pick the same least-held block (neither sees the other); with no lag the second sees the
+    first and takes another block; once the lag has passed the record is there."""
+    def two_joins(lag: float) -> tuple[int, int, list[int]]:
+        sim = Simulation(replace(STILL, members=4, blocks=2, initial_layout=(0, 1), warmup_h=0.0,
+                                 rebalance=True, record_lag_s=lag))
+        sim.start()
+        sim.join(2)
+        sim.join(3)
+        counts = list(sim.cnt)
+        return sim.pending[2], sim.pending[3], counts
+    a, b, counts = two_joins(0.0)
+    assert a != b and counts == [2, 2]
+    a, b, counts = two_joins(2.0)
+    assert a == b and counts == [1, 1]          # not announced yet: the others still see one holder each
+    sim = Simulation(replace(STILL, members=3, blocks=2, initial_layout=(0, 1), warmup_h=0.0, record_lag_s=2.0))
+    sim.start()
+    sim.join(2)
+    while sim.heap and sim.heap[0][0] <= 2.0:   # the lag passes: the joining record lands
+        t, _, kind, m, arg = heapq.heappop(sim.heap)
+        sim.now = t
+        if kind == RECORD:
+            sim.record_event(m, arg)
+    assert sim.recs[2] == {sim.pending[2]: "joining"} and sorted(sim.cnt) == [1, 2]
+    with pytest.raises(ValueError, match="record_lag_s"):
+        replace(STILL, record_lag_s=10.0).validate()   # not under the 10-s period
+
+
+def test_with_a_record_lag_donors_can_decide_together_and_the_switch_check_keeps_two():
+    """Block 1 has one ready holder (urgent), block 0 three, each of which moves with probability 1/2 per
+    check. Without a lag each check sees the moves before it, so at most one leaves block 0. With a lag as
+    long as the period, checks do not see each other: on some seeds two or three decide to move, and at
+    the switch (``selection.may_switch``) only one of them lands: block 0 keeps two ready holders."""
+    most = {}
+    for lag in (0.0, 9.9):
+        most[lag] = 0
+        for seed in range(20):
+            sim = Simulation(replace(STILL, members=4, blocks=2, initial_layout=(0, 0, 0, 1), warmup_h=0.0,
+                                     rebalance=True, record_lag_s=lag, seed=seed))
+            sim.start()
+            sim.rebalance()
+            movers = [m for m in range(3) if sim.pending[m] == 1]
+            most[lag] = max(most[lag], len(movers))
+            for m in movers:   # their downloads end, in some order: the switch check decides
+                sim.ready_event(m, (sim.session[m], 1))
+            assert sim.ready[0] >= 2 and sim.ready[0] + sim.ready[1] == 4, (lag, seed, sim.ready)
+            assert sim.ready[1] == 1 + min(1, len(movers))
+    assert most[0.0] == 1 and most[9.9] >= 2, most

@@ -33,7 +33,7 @@ from blocktrain.node.routing.selection import (
 
 from .model import DAY, HOUR, SimSettings
 
-JOIN, LEAVE, READY, EXPIRE, TICK, ROUND, KILL = range(7)
+JOIN, LEAVE, READY, EXPIRE, TICK, ROUND, KILL, RECORD = range(8)
 
 
 class Simulation:
@@ -247,9 +247,22 @@ class Simulation:
             assert ready_load(view, s.blocks) == self.rdy, "ready view out of step"
             assert choose_block(view, s.blocks) == b
         download += s.transfer_time_s(self.rdy[b])   # judged download: the states compared, fetched at once
-        self.set_rec(m, b, "joining")
         self.set_pending(m, b)
+        self.announce_joining(m, b)
         self.push(self.now + download, READY, m, (self.session[m], b))
+
+    def announce_joining(self, m: int, b: int, lag: float | None = None) -> None:
+        """Member m (pending b) stores its ``joining`` record of b: the others see it ``record_lag_s`` later."""
+        lag = self.s.record_lag_s if lag is None else lag
+        if lag > 0:
+            self.push(self.now + lag, RECORD, m, (self.session[m], b))
+        else:
+            self.set_rec(m, b, "joining")
+
+    def record_event(self, m: int, arg) -> None:
+        sess, b = arg
+        if sess == self.session[m] and self.online[m] and self.pending[m] == b and b not in self.recs[m]:
+            self.set_rec(m, b, "joining")
 
     def ready_event(self, m: int, arg) -> None:
         sess, b = arg
@@ -289,7 +302,7 @@ class Simulation:
         for b in mine:
             if graceful:
                 self.set_rec(m, b, None)
-            else:                                          # the record lives until its TTL runs out
+            elif b in self.recs[m]:                        # the record lives until its TTL runs out
                 stored = max(last, self.rec_t.get((m, b), last))
                 self.push(stored + self.s.ttl_s, EXPIRE, m, (b, self.rec_ver[(m, b)]))
         self.push(self.now + self.gap[m], JOIN, m)
@@ -348,9 +361,20 @@ class Simulation:
         donors = [b for b in range(s.blocks) if keeps(b) and (urgent or cnt[b] - lo >= pol.min_surplus)]
         cands = sorted(m for b in donors for m in self.members_in[b]
                        if self.pending[m] < 0 and (urgent or self.now - self.held_since[m] >= pol.min_dwell_s))
-        self.move_rng.shuffle(cands)  # each member checks at its own phase of the period; order is random
+        lag = s.record_lag_s
+        if lag > 0:   # each member checks at its own phase of the period and sees moves decided lag before it
+            phase = {m: self.move_rng.random() * s.period_s for m in cands}
+            cands.sort(key=phase.__getitem__)
+        else:         # every move is seen by the next check: only the order matters, and it is random
+            self.move_rng.shuffle(cands)
+        unseen: list[tuple[float, int, int]] = []   # (phase at which others see it, member, block) of lagged moves
         neediest = None               # fewest ready holders of a block that wants movers (rule 5), while unchanged
         for m in cands:
+            while unseen and unseen[0][0] <= phase[m]:
+                _, j, tj = unseen.pop(0)
+                if self.pending[j] == tj:
+                    self.set_rec(j, tj, "joining")
+                neediest = None
             if self.pending[m] >= 0:
                 continue
             draw = self.move_rng.random()
@@ -372,11 +396,16 @@ class Simulation:
             download = s.draw_move_s(self.move_rng) + s.transfer_time_s(rdy[t])
             self.set_pending(m, t, move=True)
             self.switch_t[m] = self.now + download
-            self.set_rec(m, t, "joining")
+            if lag > 0:
+                unseen.append((phase[m] + lag, m, t))
+            else:
+                self.set_rec(m, t, "joining")
             self.push(self.now + download, READY, m, (self.session[m], t))
             self.moves += self.now >= self.t0
             self.urgent_moves += self.now >= self.t0 and rdy[t] < pol.urgent_below
             self.reserve_moves += self.now >= self.t0 and pol.urgent_below <= rdy[t] < pol.reserve_below
+        for _, j, tj in unseen:       # decided late in the period: the others see them lag from now
+            self.announce_joining(j, tj, lag)
 
     def round(self) -> None:
         s = self.s
@@ -449,6 +478,8 @@ class Simulation:
                 self.tick()
             elif kind == ROUND:
                 self.round()
+            elif kind == RECORD:
+                self.record_event(m, arg)
             else:
                 self.kill(arg)
         self.advance(self.end)

@@ -26,7 +26,10 @@ ASSUMED = {
                 "machine), and a 58.7 MB block's late-join download over 20 Mbit/s 24.9 s (49.8 s until 2026-12-06, when "
                 "the late join first tried the averager; BENCHMARKS.md)",
     "graceful": "half of the leaves withdraw their announcement at once; the others' records live out their TTL",
-    "dht": "announcements are visible to everyone as soon as they are stored (no propagation delay)",
+    "dht": "announcements are visible to everyone as soon as they are stored (no propagation delay), unless "
+           "record_lag_s > 0: then a join's or a move's `joining` record reaches the others that many seconds after "
+           "its decision, and members check for a move at their own phase of the period (uniform), each seeing only "
+           "the moves decided at least record_lag_s before its own check; `online` records and withdrawals stay instant",
     "averaging": "a round per block every 60 s (the node's default --average-clock 60 gives each block one such "
                  "instant a minute; its step-triggered rounds come on top): every ready holder of the block takes "
                  "part, split into "
@@ -72,6 +75,7 @@ class SimSettings:
     transfer_s: float = 0.0
     parallel_states: int = 1
     graceful_fraction: float = 0.5
+    record_lag_s: float = 0.0           # a `joining` record reaches the others this long after the decision (0: at once)
     ttl_s: float = 30.0                 # announcement TTL; refreshed (and rebalancing checked) every TTL/3
     round_period_s: float = 60.0
     round_window_s: float = 8.0
@@ -113,6 +117,8 @@ class SimSettings:
         if not 0 <= self.hop_failure < 1 or not self.round_window_s > 0:
             raise ValueError(f"hop_failure must be in [0, 1) and round_window_s > 0, got {self.hop_failure}, "
                              f"{self.round_window_s}")
+        if not 0 <= self.record_lag_s < self.period_s:
+            raise ValueError(f"record_lag_s must be in [0, ttl_s / 3 = {self.period_s:g}), got {self.record_lag_s}")
         if self.group_size < 2 or self.attempts < 1 or not self.ttl_s > 0:
             raise ValueError("group_size must be >= 2, attempts >= 1, ttl_s > 0")
         if self.initial_layout is not None and (len(self.initial_layout) > self.members or
