@@ -488,6 +488,7 @@ def test_bad_node_flags_exit_2_with_usage():
 def test_corrupt_files_are_named_with_the_problem(tmp_path):
     from blocktrain.blocks import checkpoint as ckpt
     from blocktrain.blocks.config import ModelConfig
+    from blocktrain.p2p.identity import NodeIdentity
     from blocktrain.blocks.objectives import get_objective
     base = ["--set", "n_blocks=1", "--set", "d_model=32", "--set", "n_heads=2", "--set", "seq_len=32",
             "--set", "target_dim=16", "--data", str(TEST_CORPUS)]
@@ -512,6 +513,7 @@ def test_corrupt_files_are_named_with_the_problem(tmp_path):
                    *base],
         "identity": ["seed", "--run-id", "r", "--checkpoint-dir", str(ident), *base],
         "directory": ["seed", "--run-id", "r", "--checkpoint-dir", str(tmp_path / "file" / "ckpt"), *base],
+        "in use": ["seed", "--run-id", "r", "--checkpoint-dir", str(tmp_path / "used"), *base],
         "checkpoint": ["seed", "--run-id", "r", "--checkpoint-dir", str(half_dir), *base],
     }
     from click.testing import CliRunner
@@ -528,6 +530,8 @@ def test_corrupt_files_are_named_with_the_problem(tmp_path):
     try:
         for name in ("config", "secret", "identity", "directory"):   # these fail before any network: run them in-process
             res[name] = _R(CliRunner().invoke(cli, runs[name]))
+        with NodeIdentity.load_or_create(tmp_path / "used" / "identity.key"):   # another node holds this folder
+            res["in use"] = _R(CliRunner().invoke(cli, runs["in use"]))
     finally:   # the node command installs its own signal handlers
         for sig, h in saved.items():
             signal.signal(sig, h)
@@ -535,6 +539,7 @@ def test_corrupt_files_are_named_with_the_problem(tmp_path):
     expect = {"config": [str(cfg), "TOML"], "secret": [str(sec), "at least 16"],
               "identity": ["identity.key", "not a libp2p private key"],
               "directory": [f"cannot use checkpoint directory {tmp_path / 'file' / 'ckpt'}", "Not a directory"],
+              "in use": [f"checkpoint directory {tmp_path / 'used'} is in use by another node", "--checkpoint-dir"],
               "checkpoint": ["block00.safetensors", "truncated or corrupted"]}
     for name, r in res.items():
         assert r.returncode == 1, (name, r.returncode, r.stderr[-1500:])
