@@ -30,6 +30,7 @@ class NodeStatus:
              "loss": float(me["loss"]) if me["loss"] is not None else float("nan"),
              **{f"averaging_rounds_{k}_total": float(a[k])
                 for k in ("attempted", "succeeded", "rejected", "failed", "partial")},
+             "averaging_stalled_members_total": float(a["stalled_members"]),
              **{f"averaging_{k}_total": float(a[k])
                 for k in ("bytes_sent", "bytes_received", "messages_sent", "messages_received")}}
         m.update({k: float(v) for k, v in self.counters.items()})
@@ -85,6 +86,7 @@ def build_status(node) -> NodeStatus:
         losses=[[round(ts, 3), st, round(lo, 5)] for ts, st, lo in list(t.losses)[-200:]],
         averaging={"attempted": s.attempted, "succeeded": s.succeeded, "rejected": s.rejected,
                    "failed": s.failed, "partial": s.partial, "skipped_alone": s.skipped_alone,
+                   "stalled_members": s.stalled,
                    "last_completeness": s.last_completeness,
                    "last_round_time": s.last_round_time, "last_group_size": s.last_group_size,
                    "last_verdict": s.last_verdict, "compression": s.compression, **traffic,

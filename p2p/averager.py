@@ -295,7 +295,14 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
         refused = [str(p) for p in group_info.peer_ids if p != self.peer_id and not self._bt_member_ok(p)]
         if refused:   # leave before sending or receiving any tensor part
             raise MatchmakingException(f"{REFUSED_GROUP} {', '.join(refused)}")
-        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        stalls = self.__dict__.setdefault("_bt_stalls", {})
+        try:
+            gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        finally:
+            stalled = stalls.pop(group_info.group_id, None)
+        if isinstance(gathered, dict) and stalled is not None:   # travels with the result (a thread or a process)
+            gathered[STALLED_KEY] = stalled
+        return gathered
 
     async def _run_allreduce_inplace_(self, tensors, group_info, group_id=None, **kwargs):
         """hivemind 1.1.12's, except that each buffer ends holding the round's change (the delta the
@@ -312,6 +319,17 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
             return
+        # members that stalled this all-reduce: reducers that never returned our part (hivemind then keeps
+        # our own values for it) and senders that never sent theirs (hivemind leaves them out of the mean)
+        container, failed = getattr(runner, "tensor_part_container", None), set()
+        if container is not None:
+            keep_local = container.register_failed_reducer
+
+            def failed_reducer(peer_index: int):
+                failed.add(peer_index)
+                return keep_local(peer_index)
+
+            container.register_failed_reducer = failed_reducer
         done = 0
         try:
             async for tensor, delta in azip(as_aiter(*tensors), runner):
@@ -324,6 +342,14 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
         finally:
             for tensor in tensors[done:]:
                 tensor.zero_()
+            peers = {str(group_info.peer_ids[i]) for i in failed} | {str(p) for p in getattr(runner, "banned_senders", ())}
+            peers.discard(str(self.peer_id))
+            if peers and container is not None:
+                self.__dict__.setdefault("_bt_stalls", {})[group_id] = (
+                    sorted(peers), container.failed_size / max(1, container.total_size))
+
+
+STALLED_KEY = "bt:stalled"   # in a round's gathered metadata: (peer ids that stalled it, share of ours not averaged)
 
 
 class RoundFailed(Exception):
@@ -338,6 +364,8 @@ class RoundFailed(Exception):
 class RoundResult:
     gathered: dict[str, Any]          # peer id -> the metadata that member gathered (ours included)
     change: list[torch.Tensor]        # group mean - what we sent: the averager's own buffers, read in place
+    stalled: tuple[str, ...] = ()     # members that sent us nothing or never returned the part they reduced
+    unaveraged: float = 0.0           # the share of our tensors left as they were because of them
 
 
 class BlockAveragerHandle:
@@ -431,7 +459,9 @@ class BlockAveragerHandle:
                                   "no group formed (no same-block peer joined the round)")
             lock = self._locked()
             try:
-                yield RoundResult({str(k): v for k, v in gathered.items()}, list(self.averager._averaged_tensors))
+                stalled, unaveraged = gathered.pop(STALLED_KEY, None) or ((), 0.0)
+                yield RoundResult({str(k): v for k, v in gathered.items()}, list(self.averager._averaged_tensors),
+                                  tuple(stalled), float(unaveraged))
             finally:
                 lock.release()
         finally:

@@ -25,7 +25,7 @@ from blocktrain.p2p.identity import NodeIdentity
 
 from test_utils.configs import TEST_CORPUS
 from test_utils.reliability import (
-    MANUAL_AVG, TINY, HostileProc, RelSwarm, all_finite, average_until_accepted,
+    MANUAL_AVG, TINY, HostileProc, RelSwarm, all_finite, average_together, average_until_accepted,
     block_state, kill9, operator_action, report, stop_swarm, wait_for,
 )
 from test_utils.wire_procs import stop_all
@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.reliability, pytest.mark.network]
 
 RUN = "relhostile"
 LEAKED = 4   # the hostile identity that knows the private group's secret (but is not on its allowlist)
+SILENT = 5   # the hostile identity that joins groups and then sends and reduces nothing
 POISONS = {   # mode -> what the honest node must say about the round
     "nan": "non-finite",
     "inf": "non-finite",
@@ -88,8 +89,8 @@ def net(tmp_path_factory):
     try:
         n0 = sw.start_seed(block=0, args=["--max-steps", "20"])
         # identities 0..3 poison n0's (public) rounds; identity 4 has the private group's secret
-        hostile = HostileProc([sw.seed_maddr], RUN, base / "hostile.log", block=0, identities=len(POISONS) + 1,
-                              secret_file=secret, secret_identities=(LEAKED,))
+        hostile = HostileProc([sw.seed_maddr], RUN, base / "hostile.log", block=0, identities=len(POISONS) + 2,
+                              secret_file=secret, secret_identities=(LEAKED,), silent_identities=(SILENT,))
         nb = sw.join(0, ["--max-steps", "20"], name="nb")
         h1 = sw.join(1, ["--max-steps", "0"], name="h1")
         fnan = sw.join(1, ["--max-steps", "20"], fault="nan_hops", name="fnan")
@@ -198,6 +199,38 @@ def test_poisoned_averaging_rounds_are_rejected_and_the_sender_banned(net):
     assert all_finite(after) and not all(torch.equal(after[k], before[k]) for k in before)
     report("hostile_averaging", poison_rounds=len(POISONS), rejected=len(POISONS), landed=0, reasons=outcomes,
            banned_retry=ban_outcome, banned_retry_completed=hres["completed"], honest_round_after=True)
+
+
+def test_a_member_that_stalls_the_all_reduce_is_named_and_banned(net):
+    """A plain hivemind peer (the silent identity) joins block 0's groups and then sends no tensor part and
+    reduces none. Before (docs/records/s34/silent_averager_probe.py): every round it got into took 13.3 s
+    instead of 3.3 (hivemind's sender and reducer timeouts) with a third of the block not averaged, and the
+    node called it "ok". Now the round says who stalled it and how much was not averaged, the status counts
+    it, and the member is banned: it does not get into the honest pair's next rounds."""
+    n0, nb, hostile = net["n0"], net["nb"], net["hostile"]
+    silent = hostile.peers[SILENT]
+    hostile.send("round", identity=SILENT, mode="benign", timeout=60)
+    stalled, deadline = None, time.monotonic() + 60
+    while stalled is None and time.monotonic() < deadline:
+        v = average_together([n0, nb])
+        stalled = next((x for x in v.values() if "stalled the all-reduce" in (x.get("reason") or "")), None)
+    hostile.result(120)
+    assert stalled is not None, "the silent member never got into a round of n0 and nb"
+    assert stalled["accepted"] is True and silent in stalled["reason"] and "not averaged" in stalled["reason"]
+    counts = [n.get("/v1/status")["averaging"]["stalled_members"] for n in (n0, nb)]
+    assert max(counts) >= 1, counts
+    metrics = httpx.get(f"{n0.url}/metrics", timeout=10).text
+    assert "averaging_stalled_members_total" in metrics
+    # banned: while the silent member keeps looking for groups, it is in none the honest pair accepts
+    hostile.send("round", identity=SILENT, mode="benign", timeout=30)
+    rounds = [average_together([n0, nb]) for _ in range(4)]
+    hostile.result(90)
+    for v in rounds:
+        for x in v.values():
+            assert x.get("accepted") is not True or "stalled" not in (x.get("reason") or ""), rounds
+    assert any(all(x.get("accepted") is True for x in v.values()) for v in rounds), rounds   # they still average
+    report("stalled_member", first_round=stalled["reason"][:200], stalled_counts=counts,
+           later=[sorted({str(x.get("reason"))[:60] for x in v.values()}) for v in rounds])
 
 
 def _hop(d: int, block: int = 0):

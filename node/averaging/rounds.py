@@ -37,6 +37,7 @@ class AveragingStats:
     rejected: int = 0
     failed: int = 0
     partial: int = 0          # accepted rounds whose result moved < 90 % of the way to the group's mean
+    stalled: int = 0          # members that joined a group of ours, then sent or reduced nothing (banned)
     skipped_alone: int = 0    # scheduled rounds not tried: no other holder of the block announced
     last_completeness: float | None = None
     last_round_time: float | None = None
@@ -104,7 +105,10 @@ class BlockAverager:
                                    cancel=self.cancel_event) as res:
                 self.stats.round_seconds.append(round(time.monotonic() - t0, 3))
                 del self.stats.round_seconds[:-100]
-                return self._settle(res.gathered, res.change, stamp, sent, sent_norm)
+                verdict = self._settle(res.gathered, res.change, stamp, sent, sent_norm)
+                if res.stalled:
+                    verdict = self._stalled(verdict, res.stalled, res.unaveraged)
+                return verdict
         except RoundFailed as e:
             if e.refused:   # we left a group holding banned peers
                 return self._record(Verdict(False, e.reason), 0)
@@ -141,6 +145,23 @@ class BlockAverager:
         self.stats.succeeded += 1
         self._note_completeness(gathered, stamp, change)
         self.stats.last_accepted_time = time.time()
+        return verdict
+
+    def _stalled(self, verdict: Verdict, peers: tuple[str, ...], unaveraged: float) -> Verdict:
+        """Members that joined the group and then sent us nothing, or never returned the part they reduced:
+        hivemind left them out (their share of our tensors kept our own values) after its sender and
+        reducer timeouts, so each such round takes those timeouts longer. Which member it was is known
+        exactly: each is banned as an attributable offender (it does not get into our next groups)."""
+        self.stats.stalled += len(peers)
+        self.bans.strike(list(peers), "stalled an all-reduce (sent or reduced nothing)", attributable=True)
+        note = (f"{len(peers)} member(s) stalled the all-reduce, {unaveraged:.0%} of the block not averaged, "
+                f"banned: {', '.join(peers)}")
+        log.warning("averaging round %d: %s", self.round_no, note)
+        verdict = dataclasses.replace(verdict, reason=f"{verdict.reason}; {note}")
+        self.stats.last_verdict = verdict.reason
+        if self.stats.history:
+            t, size, accepted, _ = self.stats.history[-1]
+            self.stats.history[-1] = (t, size, accepted, verdict.reason)
         return verdict
 
     def _record(self, verdict: Verdict, group_size: int) -> Verdict:

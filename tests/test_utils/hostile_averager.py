@@ -13,7 +13,9 @@ Run as a process; it speaks JSON lines (commands on stdin, one answer per comman
     {"cmd": "quit"}
 
 Modes: nan, inf, scale1000 (honest-looking init weights x1000), random (unit Gaussian),
-benign (the block's deterministic init weights, unchanged). ``--weight`` (default 1000) is the
+benign (the block's deterministic init weights, unchanged). ``--silent-identities I ...``: those identities
+join groups and then send no tensor part and reduce none (a member that stalls every all-reduce it is in;
+each gives up on its own step after 15 s and looks for the next group). ``--weight`` (default 1000) is the
 averaging weight it claims: an attacker maximises its influence on the mean.
 Each identity is a separate DHT node + averager with a fresh peer id (peer ids are free: bans by
 peer id do not stop an attacker who keeps making new ones; see RELIABILITY.md).
@@ -66,9 +68,19 @@ class Hostile:
         self.prefixes = [self.secret_prefix if i in args.secret_identities else self.public_prefix
                          for i in range(args.identities)]
 
+        import asyncio
+
+        async def _stall(self, group_info, min_vector_size, **kwargs):
+            await asyncio.sleep(15.0)
+            raise RuntimeError("silent: sent and reduced nothing")
+
+        # the same protocol names (hivemind names them after the class), an all-reduce that never runs
+        silent = type(DecentralizedAverager.__name__, (DecentralizedAverager,), {"_aggregate_with_group": _stall})
+
         def make(i):
             d = first if i == 0 else Discovery.start(initial_peers=args.initial_peers, run_ids=[args.run_id])
-            av = DecentralizedAverager(
+            cls = silent if i in args.silent_identities else DecentralizedAverager
+            av = cls(
                 averaged_tensors=[t.clone() for t in self.init], dht=d.dht, prefix=self.prefixes[i], start=True,
                 target_group_size=4, min_group_size=2, min_matchmaking_time=3.0, request_timeout=1.5,
                 compression=NoCompression(), allow_state_sharing=False, next_chunk_timeout=10.0,
@@ -140,6 +152,8 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=0)
     ap.add_argument("--identities", type=int, default=1)
     ap.add_argument("--weight", type=float, default=1000.0)
+    ap.add_argument("--silent-identities", type=int, nargs="*", default=[],
+                    help="these identities join groups, then send and reduce nothing")
     ap.add_argument("--secret-file", default=None, help="a leaked run secret, for --secret-identities")
     ap.add_argument("--secret-identities", type=int, nargs="*", default=[],
                     help="these identities fold the secret into their prefix (they found the private group)")

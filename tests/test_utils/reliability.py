@@ -201,10 +201,12 @@ class HostileProc(JsonLinesProc):
 
     def __init__(self, initial_peers: list[str], run_id: str, log_path: Path, *, block: int = 0,
                  identities: int = 1, secret_file: Path | None = None, secret_identities: tuple = (),
-                 weight: float = 1000.0):
+                 weight: float = 1000.0, silent_identities: tuple = ()):
         args = [sys.executable, str(HERE / "hostile_averager.py"), "--initial-peers", *initial_peers,
                 "--run-id", run_id, "--block", str(block), "--identities", str(identities),
                 "--weight", str(weight)]
+        if silent_identities:
+            args += ["--silent-identities", *map(str, silent_identities)]
         if secret_file is not None:
             args += ["--secret-file", str(secret_file), "--secret-identities", *map(str, secret_identities)]
         # hivemind's own DecentralizedAverager forks a child per identity: with the DHT loop as a thread
