@@ -151,9 +151,10 @@ class BlockAverager:
         """Members that joined the group and then sent us nothing, or never returned the part they reduced:
         hivemind left them out (their share of our tensors kept our own values) after its sender and
         reducer timeouts, so each such round takes those timeouts longer. Which member it was is known
-        exactly: each is banned as an attributable offender (it does not get into our next groups)."""
+        exactly, but a stall is as often an honest member that crashed or is overloaded as an attack: each is
+        banned for the short (collateral) time, doubling for a member that does it again."""
         self.stats.stalled += len(peers)
-        self.bans.strike(list(peers), "stalled an all-reduce (sent or reduced nothing)", attributable=True)
+        self.bans.strike(list(peers), "stalled an all-reduce (sent or reduced nothing)", attributable=False)
         note = (f"{len(peers)} member(s) stalled the all-reduce, {unaveraged:.0%} of the block not averaged, "
                 f"banned: {', '.join(peers)}")
         log.warning("averaging round %d: %s", self.round_no, note)

@@ -1,6 +1,7 @@
 """Probe (2026-12-06, session 34): a plain hivemind peer that joins block 0's averaging groups and then
 sends no tensor part and reduces none (tests/test_utils/hostile_averager.py --silent-identities 0).
-Records: silent_averager_before.json (the tree of ed26db8), silent_averager_after.json (the next commit), 12:28-12:32 UTC.
+Records: silent_averager_before.json (the tree of ed26db8, 12:30-12:32 UTC), silent_averager_after.json (the commit after
+59ad326, bans of 15 s, 12:43-12:45 UTC).
 
 Two honest holders of block 0 (n0, nb) and one of block 1, tiny blocks, manual rounds. ROUNDS rounds on
 n0 and nb at once without the peer, then ROUNDS with it looking for a group all the while. Per round:
