@@ -106,7 +106,8 @@ def test_swarm_trains_averages_replicas_and_chain_ce_falls(net):
     assert all(v.get("accepted") for v in verdicts.values()), verdicts
     after = _distance(_block_state(client, r1, 1), _block_state(client, r2, 1))
     assert before > 1e-3, "replicas never differed: the test would prove nothing"
-    assert after < 1e-3 * before, f"replicas not closer after averaging: {after} vs {before} before"
+    assert after < 1e-3 * before, (f"replicas not closer after averaging: {after} vs {before} before", verdicts,
+                                   {n.name: n.get("/v1/status")["averaging"] for n in (sw.nodes[1], sw.nodes[4])})
     for n in (sw.nodes[1], sw.nodes[4]):   # and each one's own check says the round averaged every part
         av = n.get("/v1/status")["averaging"]
         assert av["last_completeness"] == pytest.approx(1.0, abs=0.05) and av["partial"] == 0, av

@@ -79,8 +79,8 @@ class FakeBackend:
 
     def snapshot(self):
         from blocktrain.node.status import NodeStatus
-        averaging = {k: 0 for k in ("attempted", "succeeded", "rejected", "failed", "partial", "bytes_sent",
-                                    "bytes_received", "messages_sent", "messages_received")}
+        averaging = {k: 0 for k in ("attempted", "succeeded", "rejected", "failed", "partial", "stalled_members",
+                                    "bytes_sent", "bytes_received", "messages_sent", "messages_received")}
         return NodeStatus(run={}, self={"state": "online", "step": 1, "samples_seen": 4, "throughput": 0.0,
                                         "loss": None}, blocks=[], losses=[], averaging=averaging, chain_ce=[],
                           errors=[])
