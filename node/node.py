@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import logging
 import math
-import re
 import threading
 import time
 from typing import Callable
@@ -51,9 +50,8 @@ from blocktrain.node.trainer import BlockTrainer
 from blocktrain.node.upstream import UpstreamSnapshots
 from blocktrain.p2p.aioloop import LoopThread
 from blocktrain.p2p.discovery import Discovery
-from blocktrain.p2p.errors import ConfigMismatchError
+from blocktrain.p2p.errors import ConfigMismatchError, IdentityInUseError
 from blocktrain.p2p.hops import HopLimits
-from blocktrain.p2p.errors import IdentityInUseError
 from blocktrain.p2p.identity import NodeIdentity
 from blocktrain.p2p.records import BlockAnnouncement, RunAddress, RunManifest
 from blocktrain.p2p.rpc_client import HopClient, get_node_info
@@ -129,10 +127,9 @@ class Node:
         try:
             identity = NodeIdentity.load_or_create(o.checkpoint_dir / "identity.key")
         except IdentityInUseError as e:   # most often a second node started in the same folder as the first
-            pid = re.search(r"\(pid (\w+)\)", str(e))
-            raise IdentityInUseError(f"checkpoint directory {o.checkpoint_dir} is in use by another node"
-                                     f"{f' (pid {pid.group(1)})' if pid else ''}: stop that node, or give this one "
-                                     f"its own folder with --checkpoint-dir") from None
+            raise IdentityInUseError(f"checkpoint directory {o.checkpoint_dir} is in use by another node (pid "
+                                     f"{e.holder}): stop that node, or give this one its own folder with "
+                                     f"--checkpoint-dir", e.holder) from None
         td.push("identity", identity.close, budget=1.0)
         # we hold the directory's identity lock, so no live node writes here: temporary files are
         # leftovers of a process killed mid-write (the checkpoint itself is replaced atomically)

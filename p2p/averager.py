@@ -222,6 +222,7 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
     _bt_refused: frozenset = frozenset()
 
     def run(self):   # in the averager's child process, or its thread of the node's
+        self._bt_stalls: dict[bytes, tuple[list[str], float]] = {}   # group id -> who stalled it, share not averaged
         patch_8bit_decoder()
         pace_matchmaking()
         super().run()
@@ -295,11 +296,10 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
         refused = [str(p) for p in group_info.peer_ids if p != self.peer_id and not self._bt_member_ok(p)]
         if refused:   # leave before sending or receiving any tensor part
             raise MatchmakingException(f"{REFUSED_GROUP} {', '.join(refused)}")
-        stalls = self.__dict__.setdefault("_bt_stalls", {})
         try:
             gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
         finally:
-            stalled = stalls.pop(group_info.group_id, None)
+            stalled = self._bt_stalls.pop(group_info.group_id, None)
         if isinstance(gathered, dict) and stalled is not None:   # travels with the result (a thread or a process)
             gathered[STALLED_KEY] = stalled
         return gathered
@@ -321,15 +321,14 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
             return
         # members that stalled this all-reduce: reducers that never returned our part (hivemind then keeps
         # our own values for it) and senders that never sent theirs (hivemind leaves them out of the mean)
-        container, failed = getattr(runner, "tensor_part_container", None), set()
-        if container is not None:
-            keep_local = container.register_failed_reducer
+        container, failed = runner.tensor_part_container, set()
+        keep_local = container.register_failed_reducer
 
-            def failed_reducer(peer_index: int):
-                failed.add(peer_index)
-                return keep_local(peer_index)
+        def failed_reducer(peer_index: int):
+            failed.add(peer_index)
+            return keep_local(peer_index)
 
-            container.register_failed_reducer = failed_reducer
+        container.register_failed_reducer = failed_reducer
         done = 0
         try:
             async for tensor, delta in azip(as_aiter(*tensors), runner):
@@ -342,11 +341,10 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
         finally:
             for tensor in tensors[done:]:
                 tensor.zero_()
-            peers = {str(group_info.peer_ids[i]) for i in failed} | {str(p) for p in getattr(runner, "banned_senders", ())}
+            peers = {str(group_info.peer_ids[i]) for i in failed} | {str(p) for p in runner.banned_senders}
             peers.discard(str(self.peer_id))
-            if peers and container is not None:
-                self.__dict__.setdefault("_bt_stalls", {})[group_id] = (
-                    sorted(peers), container.failed_size / max(1, container.total_size))
+            if peers:
+                self._bt_stalls[group_id] = (sorted(peers), container.failed_size / max(1, container.total_size))
 
 
 STALLED_KEY = "bt:stalled"   # in a round's gathered metadata: (peer ids that stalled it, share of ours not averaged)

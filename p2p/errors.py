@@ -17,7 +17,11 @@ class IdentityError(WireError):
 
 
 class IdentityInUseError(IdentityError):
-    """Another live process holds the lock on this identity."""
+    """Another live process holds the lock on this identity (``holder``: its pid, as its lock file says)."""
+
+    def __init__(self, message: str, holder: str = "unknown"):
+        super().__init__(message)
+        self.holder = holder
 
 
 # -- records / discovery --------------------------------------------------------------------

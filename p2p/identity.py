@@ -124,7 +124,7 @@ def _acquire_lock(path: Path) -> IO[str]:
         f.close()
         raise IdentityInUseError(
             f"identity {path} is already in use by another live process (pid {holder}); "
-            f"stop that node or give this one a different identity/data directory"
+            f"stop that node or give this one a different identity/data directory", holder
         ) from None
     f.seek(0)
     f.truncate()

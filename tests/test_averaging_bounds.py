@@ -168,6 +168,9 @@ def test_a_round_cut_short_leaves_no_weights_posing_as_a_change(monkeypatch):
         def __init__(self, *, tensors, ordered_peer_ids, **_):
             self.modes = [AveragingMode.NODE for _ in ordered_peer_ids]
             self.n = len(tensors)
+            self.banned_senders = set()   # nobody stalled: what the averager reads after the loop
+            self.tensor_part_container = SimpleNamespace(register_failed_reducer=lambda i: None, failed_size=0,
+                                                         total_size=9)
 
         async def _deltas(self):
             yield torch.full((3,), 0.5)
@@ -180,7 +183,8 @@ def test_a_round_cut_short_leaves_no_weights_posing_as_a_change(monkeypatch):
     loop = asyncio.new_event_loop()
     try:
         fake = SimpleNamespace(_p2p=None, prefix="x", peer_id="me", _averaging_alpha=1.0, last_updated=0.0,
-                               _state_updated=asyncio.Event(), _running_groups={b"g": loop.create_future()})
+                               _state_updated=asyncio.Event(), _running_groups={b"g": loop.create_future()},
+                               _bt_stalls={})
         sent = [torch.full((3,), 7.0), torch.full((4,), 7.0), torch.full((2,), 7.0)]
         group = SimpleNamespace(group_id=b"g", peer_ids=["me", "them"])
         with pytest.raises(RuntimeError, match="reducer left"):

@@ -105,16 +105,14 @@ class BlockAverager:
                                    cancel=self.cancel_event) as res:
                 self.stats.round_seconds.append(round(time.monotonic() - t0, 3))
                 del self.stats.round_seconds[:-100]
-                verdict = self._settle(res.gathered, res.change, stamp, sent, sent_norm)
-                if res.stalled:
-                    verdict = self._stalled(verdict, res.stalled, res.unaveraged)
-                return verdict
+                return self._settle(res.gathered, res.change, stamp, sent, sent_norm, res.stalled, res.unaveraged)
         except RoundFailed as e:
             if e.refused:   # we left a group holding banned peers
                 return self._record(Verdict(False, e.reason), 0)
             return self._failed(e.reason)
 
-    def _settle(self, gathered: dict, change: list, stamp: dict, sent, sent_norm: float) -> Verdict:
+    def _settle(self, gathered: dict, change: list, stamp: dict, sent, sent_norm: float,
+                stalled: tuple[str, ...] = (), unaveraged: float = 0.0) -> Verdict:
         """Judge a round that formed a group and apply its change if accepted."""
         t = self.trainer
         others = [p for p in gathered if p != self.peer_id]
@@ -137,6 +135,8 @@ class BlockAverager:
             else:   # the mean cannot be pinned on one member: blame every other member (acceptance.py)
                 verdict = dataclasses.replace(verdict, offenders=tuple(sorted(others)))
                 self.bans.strike(others, verdict.reason, attributable=len(others) == 1)
+        if stalled:
+            verdict = self._stalled(verdict, stalled, unaveraged)
         self._record(verdict, len(gathered))
         if not verdict.accepted:
             log.warning("rejected averaging round %d: %s", self.round_no, verdict.reason)
@@ -158,12 +158,7 @@ class BlockAverager:
         note = (f"{len(peers)} member(s) stalled the all-reduce, {unaveraged:.0%} of the block not averaged, "
                 f"banned: {', '.join(peers)}")
         log.warning("averaging round %d: %s", self.round_no, note)
-        verdict = dataclasses.replace(verdict, reason=f"{verdict.reason}; {note}")
-        self.stats.last_verdict = verdict.reason
-        if self.stats.history:
-            t, size, accepted, _ = self.stats.history[-1]
-            self.stats.history[-1] = (t, size, accepted, verdict.reason)
-        return verdict
+        return dataclasses.replace(verdict, reason=f"{verdict.reason}; {note}")
 
     def _record(self, verdict: Verdict, group_size: int) -> Verdict:
         s = self.stats
