@@ -8,7 +8,16 @@ import json
 import click
 
 from ..blocks.config import ConfigError, ModelConfig
-from ..blocks.objectives import OBJECTIVES
+
+
+class _ObjectiveOption(click.Option):
+    """``--objective``, whose help lists the registered objectives: read from the registry (which loads
+    PyTorch) only when the help is shown, so a command that never trains starts without torch."""
+
+    def get_help_record(self, ctx):
+        from ..blocks.objectives import OBJECTIVES
+        self.help = f"Objective: {', '.join(OBJECTIVES)} (default: {self.bt_default})."
+        return super().get_help_record(ctx)
 
 
 def config_options(fn=None, *, default_objective: str | None = None):
@@ -20,8 +29,8 @@ def config_options(fn=None, *, default_objective: str | None = None):
                if default_objective else "the config's")
     fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                       help="Override one config field, e.g. --set n_blocks=4 --set d_model=128.")(fn)
-    fn = click.option("--objective", default=None,
-                      help=f"Objective: {', '.join(OBJECTIVES)} (default: {default}).")(fn)
+    fn = click.option("--objective", cls=_ObjectiveOption, default=None, help="Objective.")(fn)
+    fn.__click_params__[-1].bt_default = default
     fn = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
                       help="Model/run config file (TOML or JSON).")(fn)
     return fn

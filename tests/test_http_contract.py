@@ -44,6 +44,11 @@ TOKEN = "test-operator-token-0123456789abcdef"
 SEQ_LEN = 64   # the issue's case: the old default max_bytes 64 is over one sweep's 63 bytes
 
 
+def _imported(importtime_log: str) -> set[str]:
+    """The modules a ``python -X importtime`` run imported, from its stderr."""
+    return {line.rsplit("|", 1)[1].strip() for line in importtime_log.splitlines() if line.startswith("import time:")}
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     base = tmp_path_factory.mktemp("httpcontract")
@@ -99,11 +104,17 @@ def test_default_max_bytes_is_valid_on_a_seq_len_64_run(node, spec):
         jsonschema.validate({"max_bytes": SEQ_LEN}, body_schema)
     jsonschema.validate({"max_bytes": SEQ_LEN, "mode": "autoregressive"}, body_schema)
     jsonschema.validate({}, body_schema)
-    # the CLI leaves the length to the node too
-    cli = subprocess.run([sys.executable, "-m", "blocktrain.cli.main", "generate", "The ", "--http", node.url, "--json"],
-                         capture_output=True, text=True, timeout=120)
+    # the CLI leaves the length to the node too; a client of the HTTP API never loads PyTorch (it starts in
+    # a fifth of the time: a laptop user's `bt-node generate --http` answers in ~0.5 s, not ~2.5)
+    cli = subprocess.run([sys.executable, "-X", "importtime", "-m", "blocktrain.cli.main", "generate", "The ", "--http",
+                          node.url, "--json"], capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr[-2000:]
     assert json.loads(cli.stdout)["bytes_generated"] == SEQ_LEN - 1, cli.stdout
+    assert "torch" not in _imported(cli.stderr) and "blocktrain.cli.node_cmds" in _imported(cli.stderr)
+    st = subprocess.run([sys.executable, "-X", "importtime", "-m", "blocktrain.cli.main", "status", "--http", node.url],
+                        capture_output=True, text=True, timeout=120)
+    assert st.returncode == 0 and "block" in st.stdout, st.stderr[-2000:]
+    assert "torch" not in _imported(st.stderr), "bt-node status --http imported torch"
     report("http_default_max_bytes_live", seq_len=SEQ_LEN, default_one_sweep=r.json()["bytes_generated"],
            over_limit_status=over.status_code, cli_bytes=SEQ_LEN - 1)
 
