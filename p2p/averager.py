@@ -166,7 +166,10 @@ def pace_matchmaking(interval: float = MATCHMAKING_FETCH_INTERVAL_S) -> None:
     the DHT answers, each a DHT ``get`` of several ``rpc_find`` calls through p2pd. Six tiny nodes
     averaging at the node's defaults made ~17 such reads a second each; pacing them took the six
     nodes' CPU, p2pd's included, from 1.9 to 0.9 CPU-seconds per second (BENCHMARKS.md "Matchmaking's DHT reads"). The same loop, at most one read per ``interval``
-    seconds: a follower sees a new leader at most that much later, inside a 3 s window."""
+    seconds: a follower sees a new leader at most that much later, inside a 3 s window. Also, a peer the
+    averager refuses (banned, or not allowed in a private run) is never queued as a leader: asked, it
+    would assemble a group we then leave before any tensor moves, and a banned peer that kept declaring
+    itself first would cost every honest replica that banned it each round while the ban lasts."""
     import asyncio
     from math import isfinite
 
@@ -180,8 +183,11 @@ def pace_matchmaking(interval: float = MATCHMAKING_FETCH_INTERVAL_S) -> None:
             new_peers = await key_manager.get_averagers(key_manager.current_key, only_active=True)
             self.max_assured_time = max(self.max_assured_time, get_dht_time() + self.min_matchmaking_time - discrepancy)
             self.leader_queue.clear()
+            refuses = getattr(self, "bt_refuses", None)   # set by BlockStateAverager._step
             for peer, peer_expiration_time in new_peers:
                 if peer == self.peer_id or (peer, peer_expiration_time) in self.past_attempts:
+                    continue
+                if refuses is not None and refuses(peer):   # never ask a refused peer to lead us
                     continue
                 self.leader_queue.store(peer, peer_expiration_time, peer_expiration_time)
                 self.max_assured_time = max(self.max_assured_time, peer_expiration_time - discrepancy)
@@ -191,7 +197,7 @@ def pace_matchmaking(interval: float = MATCHMAKING_FETCH_INTERVAL_S) -> None:
                 return_when=asyncio.ALL_COMPLETED,
                 timeout=self.search_end_time - get_dht_time() if isfinite(self.search_end_time) else None)
             self.update_triggered.clear()
-            rest = started + interval - loop.time()   # the only change: no second read within `interval`
+            rest = started + interval - loop.time()   # no second read within `interval`
             if rest > 0:
                 await asyncio.sleep(rest)
 
@@ -283,6 +289,11 @@ class BlockStateAverager(RunsInThread, StopsWithParent, DecentralizedAverager):
     def _bt_member_ok(self, peer) -> bool:
         p = str(peer)
         return p not in self._bt_refused and (self.bt_authorize is None or bool(self.bt_authorize(p)))
+
+    async def _step(self, *, step, future_for_init):
+        # the leaders' queue of this search skips the peers we refuse (pace_matchmaking)
+        self._matchmaking.potential_leaders.bt_refuses = lambda peer: not self._bt_member_ok(peer)
+        return await super()._step(step=step, future_for_init=future_for_init)
 
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:

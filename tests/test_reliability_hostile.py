@@ -295,6 +295,31 @@ def test_private_averaging_group_is_hidden_and_closed(net):
            p0_verdicts=sorted({str(x.get("reason"))[:70] for x in verdicts}), leaked_secret_download=got)
 
 
+def test_a_refused_peer_looking_for_a_group_does_not_cost_the_private_pair_its_rounds(net):
+    """The outsider that has the secret but is not on the allowlist keeps looking for a group under the
+    private key, declaring itself a leader again and again (its searches started first, so it is the
+    earliest leader to ask). Before: p0 and p1 asked it to lead them, it assembled the three, and both
+    left the group before any tensor moved ("refused to average with ... not-allowed peer(s)"): a refused
+    peer cost the pair its rounds for as long as it kept searching. Now a refused peer is never queued as a
+    leader (p2p/averager.py, pace_matchmaking): the pair averages with each other meanwhile."""
+    p0, p1, hostile = net["p0"], net["p1"], net["hostile"]
+    hostile.send("round", identity=LEAKED, mode="benign", timeout=25)
+    time.sleep(2.0)   # its search is on: it declared itself under the private group key
+    rounds, deadline = [], time.monotonic() + 18
+    while time.monotonic() < deadline:
+        rounds.append(average_together([p0, p1], timeout=40))
+    leaked = hostile.result(60)
+    verdicts = [x for v in rounds for x in v.values()]
+    refused = [x for x in verdicts if "refused to average" in str(x.get("reason"))]
+    together = sum(all(x.get("accepted") is True for x in v.values()) for v in rounds)
+    figures = {"rounds": len(rounds), "refused_verdicts": len(refused), "accepted_together": together,
+               "outsider_in_a_group_with": [p for p in leaked["group"] if p != hostile.peers[LEAKED]]}
+    assert not leaked["completed"] and not refused, (figures, [str(x.get("reason"))[:120] for x in refused[:2]])
+    assert together >= 1, [sorted({str(x.get("reason"))[:80] for x in v.values()}) for v in rounds]
+    report("refused_leader", rounds=len(rounds), accepted_together=together, refused=len(refused),
+           leaked_attempts=leaked["attempts"])
+
+
 def test_with_no_live_holder_the_caller_gets_a_clear_503_in_bounded_time(net):
     n0 = net["n0"]
     for n in (net["h1"], net["fnan"], net["fshape"]):

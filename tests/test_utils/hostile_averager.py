@@ -32,6 +32,8 @@ import traceback
 
 import torch
 
+from blocktrain.p2p.averager import STALLED_KEY   # in a round's gathered metadata, not a member
+
 MODES = ("nan", "inf", "scale1000", "random", "benign")
 
 
@@ -121,7 +123,7 @@ class Hostile:
                 errors.append(f"{type(e).__name__}: {e}"[:200])
                 gathered = None
             if gathered:
-                group = sorted(str(p) for p in gathered)
+                group = sorted(str(p) for p in gathered if p != STALLED_KEY)
                 if any(p != me for p in group):
                     return {"peer": me, "completed": True, "group": group, "attempts": attempts, "mode": mode}
             time.sleep(0.2)
