@@ -87,16 +87,21 @@ class PipelineService(ServicerBase):
 
     def __init__(self, block_index: int, limits: PipelineLimits, handler: TrainHandler, *, traffic: PipelineTraffic,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, inject_delay_s: float = 0.0,
-                 authorize: Callable[[str], bool] | None = None):
+                 authorize: Callable[[str], bool] | None = None,
+                 admit: Callable[[str], Awaitable[bool]] | None = None):
         self.block_index, self.limits, self.handler = block_index, limits, handler
         self.traffic, self.chunk_bytes = traffic, chunk_bytes
-        self.inject_delay_s, self.authorize = inject_delay_s, authorize
+        self.inject_delay_s, self.authorize, self.admit = inject_delay_s, authorize, admit
 
     async def rpc_train(self, requests: AsyncIterator[runtime_pb2.ExpertRequest],
                         context: P2PContext) -> AsyncIterator[runtime_pb2.ExpertResponse]:
         rid, consumed, grad_bytes = "", False, 0
         try:
             self._check_caller(context)
+            if self.admit is not None and not await self.admit(str(context.remote_id)):
+                raise HopRequestError("not_upstream", f"peer {context.remote_id} is not an announced holder of "
+                                                      f"block {self.block_index - 1}: it may not send block "
+                                                      f"{self.block_index} training traffic")
             meta, tensors = await self._receive(requests)
             consumed = True
             if meta is None:
@@ -186,17 +191,19 @@ class PipelineServer:
 
     def __init__(self, p2p: P2P, run_id: str, limits: PipelineLimits, handler: TrainHandler, *,
                  traffic: PipelineTraffic, inject_delay_s: float = 0.0,
-                 authorize: Callable[[str], bool] | None = None):
+                 authorize: Callable[[str], bool] | None = None,
+                 admit: Callable[[str], Awaitable[bool]] | None = None):
         train_namespace(run_id, 0)   # validates run_id
         self.p2p, self.run_id, self.limits, self.handler = p2p, run_id, limits, handler
         self.traffic, self.inject_delay_s, self.authorize = traffic, inject_delay_s, authorize
+        self.admit = admit   # (the caller's peer id) -> may it send this block training traffic (node's rule)
         self._services: dict[int, PipelineService] = {}
 
     async def add_block(self, block_index: int) -> None:
         if block_index not in self.limits.allowed_blocks:
             raise ValueError(f"block {block_index} is not in PipelineLimits.allowed_blocks")
         svc = PipelineService(block_index, self.limits, self.handler, traffic=self.traffic,
-                              inject_delay_s=self.inject_delay_s, authorize=self.authorize)
+                              inject_delay_s=self.inject_delay_s, authorize=self.authorize, admit=self.admit)
         await svc.add_p2p_handlers(self.p2p, namespace=train_namespace(self.run_id, block_index))
         self._services[block_index] = svc
 

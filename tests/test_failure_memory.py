@@ -82,7 +82,8 @@ def test_failed_microbatches_leave_no_tensors_to_the_cycle_collector(tmp_path, n
             limits = PipelineLimits(allowed_blocks={2}, n_blocks=3, mode="backprop", max_batch=64, max_seq=T,
                                     d_model=D, vocab_size=cfg.vocab_size)
             loop.run(PipelineServer(other, RUN, limits, refuse, traffic=PipelineTraffic()).add_block(2), timeout=30)
-        listed = {2: [holder(str(other.peer_id))]}
+        # ``other`` sends block 1 its micro-batches (so it is listed as block 0's holder) and holds block 2
+        listed = {0: [holder(str(other.peer_id))], 2: [holder(str(other.peer_id))]}
         with PipelineNode(node_p2p, loop, cfg, 1, RUN, tmp_path, holders=lambda fresh: listed) as pn:
             async def all_of_them():
                 return await asyncio.gather(*(raw_train_call(other, pn.ns.peer_id, RUN, 1, *_message(i))

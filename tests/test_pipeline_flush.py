@@ -4,7 +4,9 @@ hivemind peer sends block 1's holder one extra micro-batch (a well-formed reques
 as a retried or a stray call would add one). A holder that stepped every ``accumulate`` micro-batches
 it counted was shifted by it for the rest of the run: it stepped inside later windows and recomputed
 their backwards on moved weights (about one per window). Holders that step at block 0's window
-changes recompute none, and every holder steps about once per window.
+changes recompute none, and every holder steps about once per window. (Block 1's holder runs with its
+upstream gate off, tests/test_utils/faulty_node.py ``open_stages``: the product serves only announced holders
+of block 0.)
 """
 from __future__ import annotations
 
@@ -12,14 +14,13 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from blocktrain.node.swarm.launcher import LocalSwarm
 from blocktrain.p2p.aioloop import LoopThread
 from blocktrain.p2p.hops import decode_meta
 from blocktrain.p2p.pipeline_wire import StageRequest, request_message
 
 from test_utils.configs import TEST_CORPUS
 from test_utils.raw_pipeline import raw_train_call
-from test_utils.reliability import stop_swarm, wait_for
+from test_utils.reliability import RelSwarm, stop_swarm, wait_for
 
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -34,12 +35,12 @@ def pipe(node) -> dict:
 
 
 def test_an_extra_micro_batch_does_not_shift_a_flushed_holders_steps(tmp_path):
-    sw = LocalSwarm(tmp_path, run_id="pipeflush", data=str(TEST_CORPUS), overrides=["objective=pipeline", *TINY],
+    sw = RelSwarm(tmp_path, run_id="pipeflush", data=str(TEST_CORPUS), overrides=["objective=pipeline", *TINY],
                     extra_args=EXTRA)
     loop, p2p = LoopThread(), None
     try:
         b2 = sw.start_seed(block=2)
-        b1 = sw.start_join(block=1, name="b1")
+        b1 = sw.join(1, name="b1", wait=True, fault="open_stages")   # its stage serves the test's own peer too
         b0 = sw.start_join(block=0, name="b0")
         wait_for(lambda: pipe(b1)["steps"] >= 10, 240, "ten windows through the chain")
         n, T, D = 4, 32, 32

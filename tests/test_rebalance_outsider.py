@@ -28,7 +28,7 @@ from blocktrain.p2p.pipeline_wire import StageRequest, request_message
 from blocktrain.p2p.tensors import encode_tensor
 
 from test_utils.configs import tiny_config
-from test_utils.pipeline_node import PipelineNode
+from test_utils.pipeline_node import PipelineNode, holder
 from test_utils.raw_pipeline import raw_train_call
 from test_utils.reliability import wait_for
 
@@ -89,7 +89,11 @@ def node_and_outsider(tmp_path):
         maddrs = [str(a) for a in loop.run(node_p2p.get_visible_maddrs(), timeout=10)]
         outsider = loop.run(P2P.create(host_maddrs=LOCAL, initial_peers=maddrs), timeout=60)
         p2ps.append(outsider)
-        with PipelineNode(node_p2p, loop, tiny_config(objective="pipeline", n_blocks=3), 2, RUN, tmp_path) as pn:
+        # the outsider is listed as a holder of blocks 0 and 1 (the router's answer): the upstream gate lets
+        # it send blocks 1 and 2 micro-batches (node/pipeline/admission.py); a Sybil that announces itself can
+        listed = {b: [holder(str(outsider.peer_id))] for b in (0, 1)}
+        with PipelineNode(node_p2p, loop, tiny_config(objective="pipeline", n_blocks=3), 2, RUN, tmp_path,
+                          holders=lambda fresh: listed) as pn:
             node = pn.ns
 
             def call(block: int, meta: dict, tensors: list) -> dict:

@@ -7,6 +7,7 @@ import asyncio
 from blocktrain.node.pipeline.engine import STAGE_MARGIN_S, PipelineEngine
 from blocktrain.node.pipeline.settings import PipelineSettings
 from blocktrain.node.pipeline.stats import PipelineStats
+from blocktrain.node.pipeline.admission import UpstreamGate
 from blocktrain.node.routing.pipeline_route import NextStage
 from blocktrain.p2p.pipeline_rpc import PipelineClient, PipelineServer, PipelineTraffic
 from blocktrain.p2p.pipeline_wire import PipelineLimits
@@ -43,10 +44,18 @@ def _build(node, trainer, traffic: PipelineTraffic | None = None,
                             duty=node.duty, stats=stats)
     if next_stage is not None:
         next_stage.on_event = engine.stats.add
+    gate = upstream_gate(node, b, lambda: engine.stats.add("refused_not_upstream"))
     server = PipelineServer(node.p2p, node.run_id, limits, engine.handle, traffic=traffic,
                             inject_delay_s=o.inject_delay_ms / 1000.0,
-                            authorize=node.auth.authorize if node.auth.restricted else None)
+                            authorize=node.auth.authorize if node.auth.restricted else None,
+                            admit=gate.admit if gate is not None else None)
     return engine, server
+
+
+def upstream_gate(node, block: int, on_refused) -> UpstreamGate | None:
+    """Block ``block``'s stage serves only announced holders of the block before it (node/pipeline/admission.py);
+    block 0 is sent nothing."""
+    return UpstreamGate(block, node.router.holders, on_refused=on_refused) if block >= 1 else None
 
 
 def start_pipeline(node) -> PipelineEngine:
@@ -103,7 +112,8 @@ def pipeline_counters(engine: PipelineEngine) -> dict[str, float]:
     """The engine's totals for /metrics (``pipeline_*``)."""
     st, tr = engine.stats.snapshot(), engine.traffic.snapshot()
     out = {f"pipeline_microbatches_{k}_total": st[k] for k in ("started", "completed", "received", "sent", "lost",
-                                                                "retried", "refused_busy", "failed_calls")}
+                                                                "retried", "refused_busy", "refused_not_upstream",
+                                                                "failed_calls")}
     out.update({f"pipeline_{k}_total": v for k, v in tr.items()})
     out.update(pipeline_stalled_seconds_total=st["stalled_s"], pipeline_steps_total=st["steps"],
                pipeline_microbatches_expired_in_queue_total=st["expired_in_queue"])

@@ -8,7 +8,9 @@ measured it (``HolderRanking.pick``: round trips of earlier calls, busy answers 
 the live announced holders (read from the DHT at most every few seconds, so a holder that just
 joined and announced is used from then on). Failures:
 
-* ``busy`` (the holder holds as many micro-batches as it may): back off briefly and draw again;
+* ``busy`` (the holder holds as many micro-batches as it may) or ``not_upstream`` (its view of the
+  DHT does not list this node yet as a holder of the block before: node/pipeline/admission.py): back off
+  briefly and draw again;
 * the holder failed or did not answer (unreachable, timeout, bad answer): recorded, banned for a
   while, and another holder is tried, at most ``retries`` times; a holder that did not answer in
   time gets only the shorter collateral ban (the blame may be shared), and none when it is the only
@@ -169,7 +171,9 @@ class NextStage:
             except RemoteHopError as e:
                 drop_tracebacks(e)   # handled here: its frames (this micro-batch's tensors) need not wait for the gc
                 last = f"{peer[-8:]}: {e.code}: {e.reason}"[:300]
-                if e.code == "busy":          # alive and full: back off, then draw again (it may be picked again)
+                # alive and full, or our own record not yet visible to it (``not_upstream``: a holder that
+                # just came online): back off, then draw again (it may be picked again); not its fault
+                if e.code in ("busy", "not_upstream"):
                     self.on_event("busy")
                     self.ranking.record_failure(peer, "busy")
                     if len(cands) > 1:

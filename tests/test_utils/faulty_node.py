@@ -1,13 +1,15 @@
 """A real ``bt-node`` whose every hop answer (or block state) is poisoned, the way a buggy or
 hostile holder answers.
 
-    python tests/test_utils/faulty_node.py nan_hops|inf_hops|shape_hops|nan_state|slow_step join --initial-peers ...
+    python tests/test_utils/faulty_node.py nan_hops|inf_hops|shape_hops|nan_state|slow_step|open_stages join ...
 
 The fault wraps the node's hop handler from the test side (the server-side hop adapter the node
 hands to its RPC server), or for ``nan_state`` the block state its RPC serves (what late joiners
 and rebalancing movers download; its hops stay honest); ``slow_step`` is not hostile: every local
 training step after the first takes ``SLOW_STEP_S`` seconds longer, under the trainer's lock, as a
-big block's step on a slow machine does. The product itself has no fault knob.
+big block's step on a slow machine does; ``open_stages`` is not hostile either: its pipeline stages serve any
+caller (the upstream gate of node/pipeline/admission.py off), for tests whose own peer sends a stage a
+micro-batch. The product itself has no fault knob.
 """
 from __future__ import annotations
 
@@ -63,12 +65,20 @@ def slow_steps(optimizer_step):
     return slow
 
 
+def open_stages() -> None:
+    """Every pipeline stage of this node serves any caller (no upstream gate)."""
+    from blocktrain.node.pipeline import compose
+    compose.upstream_gate = lambda node, block, on_refused: None
+
+
 def main(argv: list[str]) -> None:
-    if not argv or argv[0] not in (*FAULTS, "nan_state", "slow_step"):
-        sys.exit(f"usage: faulty_node.py {{{','.join(FAULTS)},nan_state,slow_step}} BT-NODE-ARGS...")
+    if not argv or argv[0] not in (*FAULTS, "nan_state", "slow_step", "open_stages"):
+        sys.exit(f"usage: faulty_node.py {{{','.join(FAULTS)},nan_state,slow_step,open_stages}} BT-NODE-ARGS...")
     from blocktrain.cli.main import main as bt_node
     from blocktrain.node import node as node_module
-    if argv[0] == "slow_step":
+    if argv[0] == "open_stages":
+        open_stages()
+    elif argv[0] == "slow_step":
         from blocktrain.node import trainer
         trainer.optimizer_step = slow_steps(trainer.optimizer_step)
     elif argv[0] == "nan_state":

@@ -9,6 +9,7 @@ The node runs unchanged, but (test side, by wrapping engine methods):
 * every answer a stage gives saves the gradient it answers with (dL/d its input) to
   ``DIR/answer-<i>.pt``, and each holder then switches what it sends next to the next codec of
   ``BT_PROBE_CODECS``;
+* its stages serve any caller (no upstream gate: the test's own peer sends them raw messages);
 * a holder of block 0 does not read data: it sends the windows saved in ``BT_PROBE_WINDOWS``, once
   per codec, one micro-batch at a time (each retried until the chain is complete), then idles.
 
@@ -26,6 +27,8 @@ import torch
 
 def install() -> None:
     from blocktrain.node.pipeline import engine as E
+    from faulty_node import open_stages   # (run as a script: its folder is on sys.path)
+    open_stages()   # the test's own peer sends a stage raw messages (tests/test_pipeline_grads.py)
 
     out = Path(os.environ["BT_PROBE_DIR"])
     out.mkdir(parents=True, exist_ok=True)
