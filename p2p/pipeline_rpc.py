@@ -26,7 +26,8 @@ backward and answers its caller with dL/dh_{b-1}. The route back is the route fo
 construction; nothing is stashed beyond the call (the call's frame holds it), a failure anywhere
 surfaces as an error answer to the caller, and every call carries how long its caller waits.
 
-This module moves and validates tensors only: the stage logic is the node's ``TrainHandler``.
+This module moves and validates tensors only: the stage logic is the node's ``TrainHandler``, and who may
+call a stage is the node's rule too (``admit``: node/pipeline/admission.py; ``authorize``: private runs).
 """
 from __future__ import annotations
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+from blocktrain.node.pipeline.admission import UpstreamGate
 from blocktrain.node.pipeline.engine import STAGE_MARGIN_S, PipelineEngine
 from blocktrain.node.pipeline.settings import PipelineSettings
 from blocktrain.node.pipeline.stats import PipelineStats
-from blocktrain.node.pipeline.admission import UpstreamGate
 from blocktrain.node.routing.pipeline_route import NextStage
 from blocktrain.p2p.pipeline_rpc import PipelineClient, PipelineServer, PipelineTraffic
 from blocktrain.p2p.pipeline_wire import PipelineLimits
