@@ -95,15 +95,20 @@ def test_swarm_trains_averages_replicas_and_chain_ce_falls(net):
     def average(n):
         verdicts[n.name] = operator_action(n, "/v1/average", timeout=120)
 
+    tries = []
     for attempt in range(3):   # a round can miss its partner; retry a bounded number of times
         ths = [threading.Thread(target=average, args=(n,)) for n in (sw.nodes[1], sw.nodes[4])]
         for th in ths:
             th.start()
         for th in ths:
             th.join()
+        tries.append(dict(verdicts))
         if all(v.get("accepted") for v in verdicts.values()):
             break
-    assert all(v.get("accepted") for v in verdicts.values()), verdicts
+    # (CI 94 failed here once: the last of 3 tries rejected by node4, "check loss rose", with node1 moved 0.03 %
+    # and node4 67 %; the earlier tries and both nodes' averaging status now come with the failure)
+    assert all(v.get("accepted") for v in verdicts.values()), (tries, {
+        n.name: {k: n.get("/v1/status")[k] for k in ("averaging", "self")} for n in (sw.nodes[1], sw.nodes[4])})
     after = _distance(_block_state(client, r1, 1), _block_state(client, r2, 1))
     assert before > 1e-3, "replicas never differed: the test would prove nothing"
     assert after < 1e-3 * before, (f"replicas not closer after averaging: {after} vs {before} before", verdicts,
