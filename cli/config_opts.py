@@ -14,9 +14,13 @@ class _ObjectiveOption(click.Option):
     """``--objective``, whose help lists the registered objectives: read from the registry (which loads
     PyTorch) only when the help is shown, so a command that never trains starts without torch."""
 
+    def __init__(self, *args, default_text: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.default_text = default_text
+
     def get_help_record(self, ctx):
         from ..blocks.objectives import OBJECTIVES
-        self.help = f"Objective: {', '.join(OBJECTIVES)} (default: {self.bt_default})."
+        self.help = f"Objective: {', '.join(OBJECTIVES)} (default: {self.default_text})."
         return super().get_help_record(ctx)
 
 
@@ -29,8 +33,7 @@ def config_options(fn=None, *, default_objective: str | None = None):
                if default_objective else "the config's")
     fn = click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                       help="Override one config field, e.g. --set n_blocks=4 --set d_model=128.")(fn)
-    fn = click.option("--objective", cls=_ObjectiveOption, default=None, help="Objective.")(fn)
-    fn.__click_params__[-1].bt_default = default
+    fn = click.option("--objective", cls=_ObjectiveOption, default=None, default_text=default, help="Objective.")(fn)
     fn = click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
                       help="Model/run config file (TOML or JSON).")(fn)
     return fn
