@@ -103,6 +103,7 @@ class BlockTrainer:
         self.losses: deque[tuple[float, int, float]] = deque(maxlen=500)   # (time, step, loss)
         self._rate: deque[tuple[float, int]] = deque(maxlen=50)
         self.weights_version = 0      # +1 on every write of the weights
+        self.outside_writes = 0       # +1 on every write not made by an optimizer step (a round, a loaded state)
         self._pending: list[tuple[int, float | None]] = []   # accumulated micro-batches: (samples, loss)
 
     # -- readiness (forward-chained: snapshots of blocks < b) -------------------------------------
@@ -265,15 +266,20 @@ class BlockTrainer:
                     dst.copy_(p.detach())
             return float(max(1, self.samples_since_average)), self.step
 
-    def apply_change(self, change: Sequence[torch.Tensor]) -> None:
+    def apply_change(self, change: Sequence[torch.Tensor], *, complete: bool = True) -> None:
         """Add an accepted round's change (group mean - the weights we sent) to the live weights,
-        keeping the steps taken while the round ran."""
+        keeping the steps taken while the round ran. ``complete``: every member's part was averaged, so the
+        samples trained since the last round are now in the group's weights and the next round's averaging
+        weight starts again from 0; after a round some member stalled (parts of the block kept as they were,
+        or nobody's but ours averaged) the weight is kept."""
         with self.lock:
             with torch.no_grad():
                 for p, c in zip(self.module.parameters(), change):
                     p.add_(c.to(p.device, p.dtype))
-            self.samples_since_average = 0
+            if complete:
+                self.samples_since_average = 0
             self.weights_version += 1
+            self.outside_writes += 1
 
     def adopt_parameters(self, tensors: Sequence[torch.Tensor], *, step: int, samples_seen: int) -> None:
         """Replace the weights by ``tensors`` (in ``parameters()`` order), and the counters."""
@@ -282,6 +288,7 @@ class BlockTrainer:
                 p.data.copy_(t.to(p.device, p.dtype))
             self.step, self.samples_seen = step, samples_seen
             self.weights_version += 1
+            self.outside_writes += 1
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         with self.lock:
@@ -293,6 +300,7 @@ class BlockTrainer:
             self.module.load_state_dict({k: v.to(self.device) for k, v in tensors.items()})
             self.step, self.samples_seen = step, samples_seen
             self.weights_version += 1
+            self.outside_writes += 1
 
     def shared_state(self) -> tuple[dict, list[torch.Tensor]]:
         """What averaging peers download from us: metadata and the parameters."""
@@ -342,4 +350,5 @@ class BlockTrainer:
                 self.sampler.load_state_dict(c.optimizer_state["sampler"])
             self.step, self.samples_seen = c.step, c.samples_seen
             self.weights_version += 1
+            self.outside_writes += 1
         return True

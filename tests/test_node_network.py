@@ -96,26 +96,32 @@ def test_swarm_trains_averages_replicas_and_chain_ce_falls(net):
         verdicts[n.name] = operator_action(n, "/v1/average", timeout=120)
 
     tries = []
-    for attempt in range(3):   # a round can miss its partner; retry a bounded number of times
+
+    def whole(v):   # accepted, and every member's part averaged (a stalled member is named in the verdict)
+        return v.get("accepted") and "stalled" not in (v.get("reason") or "")
+
+    for attempt in range(4):   # a round can miss its partner, or its partner stall it; retry a bounded number of times
         ths = [threading.Thread(target=average, args=(n,)) for n in (sw.nodes[1], sw.nodes[4])]
         for th in ths:
             th.start()
         for th in ths:
             th.join()
         tries.append(dict(verdicts))
-        if all(v.get("accepted") for v in verdicts.values()):
+        if all(whole(v) for v in verdicts.values()):
             break
+        if any("stalled" in (v.get("reason") or "") for v in verdicts.values()):
+            time.sleep(16)   # a member that stalled a round is banned for the collateral 15 s (node/routing/bans.py)
     # (CI 94 failed here once: the last of 3 tries rejected by node4, "check loss rose", with node1 moved 0.03 %
-    # and node4 67 %; the earlier tries and both nodes' averaging status now come with the failure)
-    assert all(v.get("accepted") for v in verdicts.values()), (tries, {
+    # and node4 67 %: after a round only node4 had, which reset node4's averaging weight, RELIABILITY.md gap 9)
+    assert all(whole(v) for v in verdicts.values()), (tries, {
         n.name: {k: n.get("/v1/status")[k] for k in ("averaging", "self")} for n in (sw.nodes[1], sw.nodes[4])})
     after = _distance(_block_state(client, r1, 1), _block_state(client, r2, 1))
     assert before > 1e-3, "replicas never differed: the test would prove nothing"
     assert after < 1e-3 * before, (f"replicas not closer after averaging: {after} vs {before} before", verdicts,
                                    {n.name: n.get("/v1/status")["averaging"] for n in (sw.nodes[1], sw.nodes[4])})
     for n in (sw.nodes[1], sw.nodes[4]):   # and each one's own check says the round averaged every part
-        av = n.get("/v1/status")["averaging"]
-        assert av["last_completeness"] == pytest.approx(1.0, abs=0.05) and av["partial"] == 0, av
+        av = n.get("/v1/status")["averaging"]   # (an earlier try some member stalled is counted partial, not hidden)
+        assert av["last_completeness"] == pytest.approx(1.0, abs=0.05) and av["partial"] <= len(tries) - 1, av
     # no honest round was rejected; a block's only holder tries no round (no group can form: its
     # matchmaking would only burn CPU) and says so
     for n in sw.nodes:

@@ -224,3 +224,42 @@ def test_check_loss_of_other_weights_equals_the_live_blocks(objective):
     moved = [w + 0.3 * torch.randn(w.shape, generator=torch.Generator().manual_seed(1)) for w in weights]
     assert t.check_loss_of(moved) != pytest.approx(t.check_loss(), rel=1e-5)
     assert [float(w.sum()) for w in weights] == [float(w.sum()) for w in t.parameters_snapshot()]   # untouched
+
+
+def test_a_round_some_member_stalled_keeps_the_averaging_weight_a_complete_one_resets_it():
+    """RELIABILITY.md gap 9: a replica whose partner never sent its part got its own values back as the "mean",
+    accepted that no-op round, and reset its averaging weight to zero; the next round's mean was then the partner's
+    weights alone, which the fresher replica's check windows rejected (CI 94: "check loss rose 2.940 -> 3.489",
+    moved 67 % against the partner's 0.03 %). A round with stalled members now applies its change and keeps the weight."""
+    pytest.importorskip("hivemind")
+    import numpy as np
+    from blocktrain.blocks.config import ModelConfig
+    from blocktrain.node.averaging.acceptance import weight_sketch
+    from blocktrain.node.averaging.rounds import AveragingStats, BlockAverager
+    from blocktrain.node.trainer import BlockTrainer
+    data = np.frombuffer(bytes(range(256)) * 64, dtype=np.uint8)
+    cfg = ModelConfig(objective="paper", d_model=32, n_heads=2, layers_per_block=1, n_blocks=2, seq_len=32,
+                      batch_size=2)
+    t = BlockTrainer(cfg, 0, data, data)
+    for _ in range(3):
+        t.train_step()
+    av = BlockAverager.__new__(BlockAverager)   # the round's judgement alone: no averager process
+    av.trainer, av.peer_id, av.policy, av.authorize = t, A, AcceptancePolicy(), None
+    av.stats, av.round_no, av.bans = AveragingStats(), 1, PeerBans()
+
+    def settle(stalled):
+        sent = t.parameters_snapshot()
+        change = [torch.full_like(w, 1e-4) for w in sent]
+        stamp = {"config_hash": cfg.config_hash, "n_tensors": len(sent), "peer": A, "weight": 6.0,
+                 "sketch": weight_sketch(sent)}
+        gathered = {A: stamp, B: {**stamp, "peer": B}}
+        return av._settle(gathered, change, stamp, sent, tensors_norm(sent), stalled, 0.5 if stalled else 0.0)
+
+    assert t.samples_since_average == 6
+    v = settle(stalled=(B,))
+    assert v.accepted and "stalled" in v.reason and t.samples_since_average == 6   # applied, weight kept
+    before = float(next(t.module.parameters()).detach().sum())
+    av.bans = PeerBans()   # (the stall banned B for a while)
+    v = settle(stalled=())
+    assert v.accepted and t.samples_since_average == 0                               # complete: reset
+    assert float(next(t.module.parameters()).detach().sum()) != before

@@ -1,7 +1,7 @@
 """Gossip averaging of same-block replicas: the round policy (hivemind stays behind p2p/averager.py).
 
 No coordinator: replicas of block b of run R meet under the DHT prefix ``{R}_block{b}`` every
-few local steps, all-reduce their parameters weighted by samples since the last round, and each
+few local steps, all-reduce their parameters weighted by samples since the last complete round, and each
 one accepts the result only after robust checks (``acceptance.py``). Training never waits on a
 round: rounds run in their own thread, and the accepted *change* (group mean - the weights we
 sent) is handed to the trainer, which adds it to the live weights, so steps taken during the round
@@ -141,7 +141,10 @@ class BlockAverager:
         if not verdict.accepted:
             log.warning("rejected averaging round %d: %s", self.round_no, verdict.reason)
             return verdict
-        t.apply_change(change)
+        # a round some member stalled averaged part of the block, or nothing but our own values (a partner that
+        # never sent): resetting our averaging weight after it made the next round's mean the partner's weights
+        # alone (RELIABILITY.md gap 9: the fresher replica then rejected that round)
+        t.apply_change(change, complete=not stalled)
         self.stats.succeeded += 1
         self._note_completeness(gathered, stamp, change)
         self.stats.last_accepted_time = time.time()
