@@ -276,3 +276,23 @@ def test_a_stalling_holder_costs_a_micro_batch_a_probe_limit_not_its_budget():
     assert callee.limits[1][1] > 25.0                  # the proven holder had the rest of the budget
     assert took < 10.0, took                           # (2 s measured; the budget is 30 s)
     assert ns.bans.is_banned("QmS") and not ns.bans.is_banned("QmC")   # set aside for a while
+
+
+def test_an_outlier_answer_ends_the_micro_batch_at_once_with_no_retry_and_no_ban():
+    """A stage's loss screen refused the micro-batch itself (node/pipeline/screen.py): any other holder would
+    refuse it too, and the holder did nothing wrong."""
+    class _Screens(_Callee):
+        async def call(self, peer, req, timeout):
+            self.calls.append(peer)
+            raise RemoteHopError(peer, "outlier", "block 1: its loss 9.1 is above this stage's screen 3.2")
+
+    async def holders(block, fresh):
+        return ["QmB", "QmC"]
+
+    events, callee = [], _Screens()
+    ns = NextStage(callee, holders, mode="backprop", codec="fp32", self_peer="QmA", retries=2, on_event=events.append)
+    with pytest.raises(DownstreamFailed) as e:
+        asyncio.run(ns.send(1, torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long), 5.0))
+    assert e.value.reason == "outlier" and "screen" in str(e.value)
+    assert len(callee.calls) == 1 and "retried" not in events and "failed_calls" not in events
+    assert not ns.bans.is_banned(callee.calls[0])

@@ -24,7 +24,8 @@ def _build(node, trainer, traffic: PipelineTraffic | None = None,
                                 codec=o.pipeline_compression, timeout_s=o.pipeline_timeout,
                                 timeout_max_s=o.pipeline_timeout_max,
                                 weight_stash=o.pipeline_weight_stash, flush=o.pipeline_flush,
-                                recompute=o.pipeline_recompute, layer_checkpoint=o.pipeline_layer_checkpoint)
+                                recompute=o.pipeline_recompute, layer_checkpoint=o.pipeline_layer_checkpoint,
+                                loss_screen=o.pipeline_loss_screen)
     limits = PipelineLimits(allowed_blocks={b}, n_blocks=cfg.n_blocks,
                             mode=trainer.objective.chain_training, max_batch=max(64, cfg.batch_size),
                             max_seq=cfg.seq_len, d_model=trainer.objective.state_dim(), vocab_size=cfg.vocab_size)
@@ -113,7 +114,7 @@ def pipeline_counters(engine: PipelineEngine) -> dict[str, float]:
     st, tr = engine.stats.snapshot(), engine.traffic.snapshot()
     out = {f"pipeline_microbatches_{k}_total": st[k] for k in ("started", "completed", "received", "sent", "lost",
                                                                 "retried", "refused_busy", "refused_not_upstream",
-                                                                "failed_calls")}
+                                                                "refused_outlier", "failed_calls")}
     out.update({f"pipeline_{k}_total": v for k, v in tr.items()})
     out.update(pipeline_stalled_seconds_total=st["stalled_s"], pipeline_steps_total=st["steps"],
                pipeline_microbatches_expired_in_queue_total=st["expired_in_queue"])

@@ -54,7 +54,9 @@ its layers' inputs (and its output) instead of its whole graph, at the compute `
 with it, only its input, the recompute before its backward keeping no more than the layers' inputs.
 Memory: a stage holds at most ``max_stash`` micro-batches between forward and backward and answers
 ``busy`` beyond that; a block-0 holder at most ``inflight``; weight copies at most one per held
-micro-batch (shared by those of one version; :meth:`stash_bytes` reports them). Faults: every call
+micro-batch (shared by those of one version; :meth:`stash_bytes` reports them); a stage that screens losses
+(the last block, every block but 0 when streamed: node/pipeline/screen.py) also keeps the input and targets of the
+last micro-batch it trained on, to follow outside writes of its weights. Faults: every call
 carries what is left of the micro-batch's budget (``timeout_s`` at first, then adapted to the round
 trips block 0 measures, up to ``timeout_max_s``: :mod:`~blocktrain.node.pipeline.budget`); a stage
 whose compute thread frees up only after that deadline does not run the forward (``expired_in_queue``,
@@ -85,6 +87,7 @@ from blocktrain.blocks.layers import layer_checkpointing
 from blocktrain.blocks.rng import rng_restored, rng_state
 from blocktrain.node.loops import DutyCycle
 from blocktrain.node.pipeline.budget import MicrobatchBudget
+from blocktrain.node.pipeline.screen import LossScreen
 from blocktrain.node.pipeline.settings import PipelineSettings
 from blocktrain.node.pipeline.stats import PipelineStats
 from blocktrain.node.routing.pipeline_route import DownstreamFailed, NextStage, StateSource
@@ -102,6 +105,10 @@ MAX_DEFERRED = 2          # window changes in a row a stage may skip its step at
 
 class _Expired(Exception):
     """A stage's forward was still queued when its caller's deadline passed: not run."""
+
+
+class _Outlier(Exception):
+    """The loss screen refused a micro-batch sent to this stage (screen.py): no backward ran."""
 
 
 @dataclass
@@ -167,6 +174,8 @@ class PipelineEngine:
         self._unwindowed = 0            # micro-batches without a window since the last step (the count rule)
         self._window_seq = 0            # block 0 with flush: the id of its next window
         self.budget = MicrobatchBudget(settings.timeout_s, settings.timeout_max_s)   # block 0's, per micro-batch
+        self.screen = LossScreen(settings.loss_screen)   # losses computed here on what others sent (screen.py)
+        self._screen_writes = trainer.outside_writes     # the trainer's outside writes the screen has followed
 
     # -- compute (one thread, under the trainer's lock) ---------------------------------------------
     async def _in_compute(self, fn, *args, expires: float | None = None):
@@ -228,11 +237,39 @@ class PipelineEngine:
             loss, _ = obj.stage_loss(t.module, self.b, h, targets.to(dev))
             if not torch.isfinite(loss):
                 raise FloatingPointError(f"non-finite loss at block {self.b}")
+            sent = x is not None and self.screen.on   # another holder's activations and targets: screened
+            if sent:          # (block 0's own data is not)
+                self._follow_outside_writes()
+                why = self.screen.refuses(float(loss.detach()))
+                if why is not None:
+                    raise _Outlier(why)
             loss.backward()
             grad_in = x.grad.detach().cpu() if x is not None and x.grad is not None else None
             work = _Work(None if self.last else h.detach().cpu(), n, float(loss.detach()), grad_in, window=window)
+            if sent:
+                self.screen.trained(work.loss, h_in.detach(), targets)
             self._accumulated(work.samples, work.loss, windowed=window is not None)
         return work
+
+    def _follow_outside_writes(self) -> None:
+        """After weights written from outside training (an averaging round, a loaded state), move the loss
+        screen's window by what the write did to the loss of the last micro-batch trained on (screen.py).
+        Compute thread, under the trainer's lock."""
+        t = self.trainer
+        if t.outside_writes == self._screen_writes:
+            return
+        self._screen_writes = t.outside_writes
+        ref = self.screen.reference
+        if ref is None:
+            return
+        inputs, targets, _ = ref
+        with torch.no_grad():
+            h = self.objective.stage_forward(t.module, self.b, inputs.to(t.device), None)
+            loss, _ = self.objective.stage_loss(t.module, self.b, h, targets.to(t.device))
+        if torch.isfinite(loss):
+            shift = self.screen.rebase(float(loss))
+            log.info("loss screen of block %d moved by %+.3f nats/byte after an outside write of the weights",
+                     self.b, shift)
 
     def _release(self, work: _Work | None) -> None:
         """The micro-batch's kept graph will not be backpropagated (done, or dropped): no longer open, and
@@ -374,8 +411,11 @@ class PipelineEngine:
                                  [self.self_peer, *resp.route])
         except DownstreamFailed as e:
             self.stats.add("failed_downstream")
-            code = "timeout" if e.reason == "timeout" else "downstream"
+            code = e.reason if e.reason in ("timeout", "outlier") else "downstream"   # outlier: nobody retries it
             raise HopRequestError(code, f"block {self.b + 1} and on: {e}") from None
+        except _Outlier as e:   # not trained on: the caller gets the typed answer, no gradient
+            self.stats.add("refused_outlier")
+            raise HopRequestError("outlier", f"block {self.b}: {e}") from None
         except _Expired as e:   # the caller's deadline passed while the forward waited: no compute spent on it
             self.stats.add("expired_in_queue")
             raise HopRequestError("timeout", f"block {self.b}: {e}") from None

@@ -44,7 +44,8 @@ class PipelineStats:
     """Counters (thread-safe). As a block-0 holder: ``started`` micro-batches, ``completed`` (the
     gradient came back, or streamed: the chain answered), ``lost`` (dropped, by reason). As a stage:
     ``received`` calls served, ``refused_busy``, ``refused_not_upstream`` (a caller not announced as a holder
-    of the block before: node/pipeline/admission.py), ``failed_downstream``, ``expired_in_queue`` (a call
+    of the block before: node/pipeline/admission.py), ``refused_outlier`` (a micro-batch whose loss this stage's
+    screen refused: node/pipeline/screen.py; answered ``outlier``, not trained on), ``failed_downstream``, ``expired_in_queue`` (a call
     whose deadline passed while its forward waited for the compute thread: answered ``timeout``, not
     run). Both: ``sent`` onward calls that were answered, ``failed_calls`` (a holder failed or timed
     out), ``retried`` (another holder was asked after a failure; ``retried_same``: the same holder,
@@ -64,7 +65,8 @@ class PipelineStats:
     KEYS = ("started", "completed", "received", "answered", "refused_busy", "failed_downstream", "sent",
             "failed_calls", "retried", "retried_same", "busy", "recomputed", "recomputed_stashed",
             "resent_recomputed", "routed_unannounced", "steps", "microbatches_accumulated",
-            "window_steps_deferred", "window_steps_forced", "expired_in_queue", "refused_not_upstream")
+            "window_steps_deferred", "window_steps_forced", "expired_in_queue", "refused_not_upstream",
+            "refused_outlier")
 
     def __init__(self):
         self._lock = threading.Lock()

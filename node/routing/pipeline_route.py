@@ -8,6 +8,9 @@ measured it (``HolderRanking.pick``: round trips of earlier calls, busy answers 
 the live announced holders (read from the DHT at most every few seconds, so a holder that just
 joined and announced is used from then on). Failures:
 
+* ``outlier`` (a stage's loss screen refused to train on the micro-batch: node/pipeline/screen.py): not the
+  holder's fault, and any other holder would refuse it too: the micro-batch ends (:class:`DownstreamFailed`
+  ``outlier``), nothing retried, nobody banned;
 * ``busy`` (the holder holds as many micro-batches as it may) or ``not_upstream`` (its view of the
   DHT does not list this node yet as a holder of the block before: node/pipeline/admission.py): back off
   briefly and draw again;
@@ -171,6 +174,8 @@ class NextStage:
             except RemoteHopError as e:
                 drop_tracebacks(e)   # handled here: its frames (this micro-batch's tensors) need not wait for the gc
                 last = f"{peer[-8:]}: {e.code}: {e.reason}"[:300]
+                if e.code == "outlier":   # a stage's loss screen refused the micro-batch itself: any holder would
+                    raise DownstreamFailed("outlier", f"block {block} and on refused it ({last})") from None
                 # alive and full, or our own record not yet visible to it (``not_upstream``: a holder that
                 # just came online): back off, then draw again (it may be picked again); not its fault
                 if e.code in ("busy", "not_upstream"):

@@ -15,6 +15,8 @@ answers one JSON line per command on stdin:
   answers, the rest list an address nobody answers on; with ``offer_file`` (a ``torch.save``d dict of
   named tensors) the daemons answer state downloads with those tensors instead, well-formed on the
   wire, claiming 10^9 steps (hops still stall);
+* ``poison_upstream``: announce this peer as an online holder of block b-1 (its own key and daemon: a Sybil
+  holder), then send a holder of block b N well-formed micro-batches whose targets are all one byte;
 * ``taken``: how many requests the stalling daemons have taken (and held) so far;
 * ``quit``.
 """
@@ -152,6 +154,50 @@ async def _serve_stalling(_dht, node, namespace: str, kind: str = "hop", offer_f
     await STALLERS[kind][0]().add_p2p_handlers(node.p2p, namespace=namespace)
 
 
+async def _send_microbatches(_dht, node, namespace: str, holder: str, block: int, n: int, shape: list[int],
+                             target: int, seed: int, batches_file: str | None = None) -> dict:
+    """In the outsider's DHT process: ``n`` well-formed ``rpc_train`` micro-batches to ``holder``, each random
+    activations (N, T, D) and targets all byte ``target`` (or, with ``batches_file``, the i-th of the
+    ``torch.save``d list of (activations, byte targets) pairs it holds), written as read off the wire (JSON
+    metadata, raw little-endian tensors); the answers' codes counted ("ok" for a trained one). Answers
+    ``not_upstream`` (the holder's view of the DHT does not list us yet) are retried for up to 60 s, not counted."""
+    import torch
+    N, T, D = shape
+    g = torch.Generator().manual_seed(seed)
+    prepared = torch.load(batches_file) if batches_file else None
+    stub = PipelineService.get_stub(node.p2p, PeerID.from_base58(holder), namespace=namespace)
+    codes: dict[str, int] = {}
+    deadline = time.monotonic() + 60
+    i = 0
+    while i < n:
+        acts = torch.randn(N, T, D, generator=g)
+        targets = bytes([target]) * (N * T)
+        if prepared is not None:
+            acts = prepared[i % len(prepared)][0].to(torch.float32).contiguous()
+            targets = prepared[i % len(prepared)][1].to(torch.uint8).contiguous().numpy().tobytes()
+            N, T, D = acts.shape
+        meta = {"v": WIRE_VERSION, "request_id": f"poison-{i}-{time.monotonic_ns()}", "block_index": block,
+                "mode": "backprop", "codec": "fp32", "deadline_s": 20.0}
+        msg = runtime_pb2.ExpertRequest(metadata=json.dumps(meta).encode(), tensors=[
+            runtime_pb2.Tensor(buffer=acts.numpy().tobytes(), size=[N, T, D], dtype="float32",
+                               compression=runtime_pb2.CompressionType.NONE),
+            runtime_pb2.Tensor(buffer=targets, size=[N, T], dtype="uint8",
+                               compression=runtime_pb2.CompressionType.NONE)])
+
+        async def parts():
+            yield msg
+        first = None
+        async for answer in await stub.rpc_train(parts()):
+            first = first or json.loads(answer.metadata)
+        code = "ok" if first.get("ok") else str(first.get("code"))
+        if code == "not_upstream" and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            continue
+        codes[code] = codes.get(code, 0) + 1
+        i += 1
+    return codes
+
+
 def reply(obj) -> None:
     print(json.dumps(obj), flush=True)
 
@@ -255,6 +301,30 @@ class Outsider:
         done.wait(300)
         return {"stored": first_round.get("stored", 0), "peer_ids": [v["peer_id"] for _, v in records],
                 "stalling": list(stall_addrs)}
+
+    def poison_upstream(self, run_id: str, block: int, holder: str, config_hash: str, n: int, shape: list[int],
+                        target: int = ord("x"), seed: int = 0, batches_file: str | None = None) -> dict:
+        """Announce this peer itself (its own key, its own daemon's addresses) as an online holder of block
+        ``block - 1``, as any member does, then send block ``block``'s ``holder`` ``n`` poisoned micro-batches
+        from it (``_send_microbatches``). Returns the answers' codes."""
+        k = RSAPrivateKey()   # the Sybil's identity: its record's signer and its daemon's libp2p key
+        self.dht.run_coroutine(partial(_add_signer, signer=ManyKeysSigner([k])))
+        path = f"{self._key_dir}/{peer_id_of(k)[-12:]}.key"
+        with open(path, "wb") as f:
+            f.write(crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=k._private_key.private_bytes(
+                *_der_args())).SerializeToString())
+        d = DHT(initial_peers=[self.initial_peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                identity_path=path, check_if_identity_free=False, client_mode=False)
+        self.stallers.append(d)   # stopped by close()
+        value = {"peer_id": peer_id_of(k), "block_index": block - 1, "state": "online", "step": 1000,
+                 "samples_seen": 8000, "throughput": 100.0, "loss": 2.0, "last_round_time": time.time(),
+                 "serving": True, "addresses": [str(m) for m in d.get_visible_maddrs()],
+                 "software_version": "blocktrain/0.1.0", "config_hash": config_hash, "run_id": run_id}
+        if not self.dht.store(f"{run_id}_blocks", value, get_dht_time() + 60, subkey=str(block - 1).encode() + owner(k)):
+            raise RuntimeError("the holder record was not stored")
+        return d.run_coroutine(partial(
+            _send_microbatches, namespace=STALLERS["train"][1].format(run=run_id, block=block), holder=holder,
+            block=block, n=n, shape=list(shape), target=target, seed=seed, batches_file=batches_file))
 
     def taken(self) -> int:
         return sum(d.run_coroutine(_taken) for d in self.stallers)
