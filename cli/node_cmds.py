@@ -253,18 +253,19 @@ _PIPELINE: contextvars.ContextVar[dict] = contextvars.ContextVar("bt_pipeline", 
 
 def pipeline_options(fn):
     """--pipeline-inflight / -accumulate / -compression / -timeout / -timeout-max / -weight-stash / -flush /
-    -recompute / -layer-checkpoint / -loss-screen for seed and join."""
+    -recompute / -layer-checkpoint / -loss-screen / -check-rate for seed and join."""
     @functools.wraps(fn)
     def wrapper(*args, pipeline_inflight=1, pipeline_accumulate=1, pipeline_compression="fp32",
                 pipeline_timeout=60.0, pipeline_timeout_max=600.0, pipeline_weight_stash=False, pipeline_flush=False,
-                pipeline_recompute=False, pipeline_layer_checkpoint=False, pipeline_loss_screen=1.0, **kwargs):
+                pipeline_recompute=False, pipeline_layer_checkpoint=False, pipeline_loss_screen=0.0,
+                pipeline_check_rate=0.0, **kwargs):
         _PIPELINE.set({"pipeline_inflight": pipeline_inflight, "pipeline_accumulate": pipeline_accumulate,
                        "pipeline_compression": pipeline_compression, "pipeline_timeout": pipeline_timeout,
                        "pipeline_timeout_max": pipeline_timeout_max,
                        "pipeline_weight_stash": pipeline_weight_stash, "pipeline_flush": pipeline_flush,
                        "pipeline_recompute": pipeline_recompute,
                        "pipeline_layer_checkpoint": pipeline_layer_checkpoint,
-                       "pipeline_loss_screen": pipeline_loss_screen})
+                       "pipeline_loss_screen": pipeline_loss_screen, "pipeline_check_rate": pipeline_check_rate})
         return fn(*args, **kwargs)
     opts = [
         click.option("--pipeline-inflight", type=click.IntRange(1, 4096), default=1, show_default=True,
@@ -310,7 +311,7 @@ def pipeline_options(fn):
                           "forward of the block per micro-batch; the gradients are the same. Without "
                           "--pipeline-recompute a held micro-batch keeps its layers' inputs (one per layer) instead "
                           "of its graph, at the compute --pipeline-recompute alone costs."),
-        click.option("--pipeline-loss-screen", type=click.FloatRange(0, 100), default=1.0, show_default=True,
+        click.option("--pipeline-loss-screen", type=click.FloatRange(0, 100), default=0.0, show_default=True,
                      metavar="NATS",
                      help="pipeline and forward-streamed runs, holders that compute a loss on micro-batches sent "
                           "to them (the last block; every block but 0 in forward-streamed runs): refuse to train "
@@ -318,6 +319,13 @@ def pipeline_options(fn):
                           "trained on (wider where those spread more; not before 32), answered 'outlier': "
                           "poisoned targets from a holder of the block before train nothing (RELIABILITY.md). "
                           "0: off."),
+        click.option("--pipeline-check-rate", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+                     metavar="RATE",
+                     help="pipeline runs, holders of every block but the last: before backpropagating a gradient "
+                          "answered by a holder of the next block, recompute it from the states of the blocks on "
+                          "its route (downloaded from those holders) for each holder's first answer and this share "
+                          "of the others; a holder whose gradient disagrees is banned and the micro-batch dropped "
+                          "(RELIABILITY.md: a Sybil answering negated gradients). 0: off."),
     ]
     for o in reversed(opts):
         wrapper = o(wrapper)

@@ -58,7 +58,8 @@ class NodeOptions:
     pipeline_flush: bool = False               # block 0: GPipe-style windows of `inflight` micro-batches
     pipeline_recompute: bool = False           # hold inputs, not graphs; the backward recomputes the forward
     pipeline_layer_checkpoint: bool = False    # graphs hold each layer's input only; the backward reruns the layer
-    pipeline_loss_screen: float = 1.0          # nats/byte over the median loss trained on: refused (0: off)
+    pipeline_loss_screen: float = 0.0          # nats/byte over the median loss trained on: refused (0: off)
+    pipeline_check_rate: float = 0.0           # answers recomputed before their backward, besides firsts (0: off)
     rebalance: bool = True                     # move to a needier block (node/rebalance.py); False pins the block
     rebalance_dwell: float = 600.0             # seconds a block is held before the node may leave it
     state_sources: int = 2                     # holders whose states a late join or a move compares (state_fetch.py)

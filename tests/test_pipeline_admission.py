@@ -48,7 +48,8 @@ def _poison(i: int) -> tuple[dict, list]:
 
 def test_an_outsider_cannot_train_a_stage_and_a_sybil_holders_poison_is_screened(tmp_path):
     sw = LocalSwarm(tmp_path, run_id=RUN, overrides=PIPE, data=str(TEST_CORPUS),
-                    extra_args=["--device", "cpu", *MANUAL_AVG, "--train-duty", "0.5", "--no-rebalance"])
+                    extra_args=["--device", "cpu", *MANUAL_AVG, "--train-duty", "0.5", "--no-rebalance",
+                                "--pipeline-loss-screen", "1.0"])
     loop, outsider, sybil = LoopThread(name="bt-test-upstream"), None, None
     try:
         b0 = sw.start_seed(block=0)

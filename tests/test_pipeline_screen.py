@@ -53,7 +53,7 @@ def test_wide_honest_spread_widens_the_screen_and_zero_turns_it_off():
 
 
 def test_settings_check_the_margin():
-    assert PipelineSettings().loss_screen == 1.0
+    assert PipelineSettings().loss_screen == 0.0   # opt-in
     for bad in (-0.1, 100.5, float("nan")):
         with pytest.raises(ValueError, match="loss screen"):
             PipelineSettings(loss_screen=bad)
@@ -86,7 +86,7 @@ def test_a_stage_follows_an_averaging_round_that_moves_every_loss_and_keeps_refu
     t = BlockTrainer(cfg, 1, data, data)
     loop = LoopThread(name="bt-test-screen")
     try:
-        eng = PipelineEngine(t, n_blocks=2, loop=loop, next_stage=None, settings=PipelineSettings())
+        eng = PipelineEngine(t, n_blocks=2, loop=loop, next_stage=None, settings=PipelineSettings(loss_screen=1.0))
         g = torch.Generator().manual_seed(0)
         h = torch.randn(4, 16, 32, generator=g)   # one upstream state, and the text it stands for (all "e")
         y = torch.full((4, 16), ord("e"))
@@ -109,3 +109,24 @@ def test_a_stage_follows_an_averaging_round_that_moves_every_loss_and_keeps_refu
             eng._forward(h.clone(), None, torch.full_like(y, ord("x")))
     finally:
         loop.stop()
+
+
+def test_a_stage_that_refused_everything_for_a_while_warms_up_again():
+    """Liveness: senders whose weights moved far (a fresh or wrecked block before) are not refused for good; while
+    any micro-batch passes, the window stays."""
+    now = [0.0]
+    s = LossScreen(1.0, window=64, warmup=16, valve_s=60.0, valve_n=16, clock=lambda: now[0])
+    for _ in range(40):
+        s.trained(2.0)
+    for i in range(100):               # 100 refused in 50 s: not yet
+        now[0] += 0.5
+        assert s.refuses(9.0) is not None
+    s.trained(2.1)                     # one passes: the clock starts again
+    for i in range(100):
+        now[0] += 0.5
+        assert s.refuses(9.0) is not None
+    now[0] += 11.0                      # 61 s with nothing trained, 100 refused: emptied, warming up on what comes
+    assert s.refuses(9.0) is None and s.resets == 1 and s.threshold() is None
+    for _ in range(16):
+        s.trained(9.0)
+    assert s.threshold() == pytest.approx(10.0) and s.refuses(9.5) is None

@@ -8,11 +8,14 @@ from blocktrain.node.pipeline.admission import UpstreamGate
 from blocktrain.node.pipeline.engine import STAGE_MARGIN_S, PipelineEngine
 from blocktrain.node.pipeline.settings import PipelineSettings
 from blocktrain.node.pipeline.stats import PipelineStats
+from blocktrain.node.pipeline.verify import GradientCheck
 from blocktrain.node.routing.pipeline_route import NextStage
 from blocktrain.p2p.pipeline_rpc import PipelineClient, PipelineServer, PipelineTraffic
 from blocktrain.p2p.pipeline_wire import PipelineLimits
 
 __all__ = ["start_pipeline", "PreparedSwitch", "pipeline_counters"]
+
+CHECK_FETCH_S = 10.0   # a gradient check's download of one block's state (node/pipeline/verify.py)
 
 
 def _build(node, trainer, traffic: PipelineTraffic | None = None,
@@ -25,7 +28,7 @@ def _build(node, trainer, traffic: PipelineTraffic | None = None,
                                 timeout_max_s=o.pipeline_timeout_max,
                                 weight_stash=o.pipeline_weight_stash, flush=o.pipeline_flush,
                                 recompute=o.pipeline_recompute, layer_checkpoint=o.pipeline_layer_checkpoint,
-                                loss_screen=o.pipeline_loss_screen)
+                                loss_screen=o.pipeline_loss_screen, check_rate=o.pipeline_check_rate)
     limits = PipelineLimits(allowed_blocks={b}, n_blocks=cfg.n_blocks,
                             mode=trainer.objective.chain_training, max_batch=max(64, cfg.batch_size),
                             max_seq=cfg.seq_len, d_model=trainer.objective.state_dim(), vocab_size=cfg.vocab_size)
@@ -40,9 +43,14 @@ def _build(node, trainer, traffic: PipelineTraffic | None = None,
 
         next_stage = NextStage(client, holders, mode=limits.mode, codec=settings.codec, self_peer=node.peer_id,
                                retries=settings.retries, n_blocks=cfg.n_blocks, stage_margin_s=STAGE_MARGIN_S)
+    check = None
+    if next_stage is not None and settings.check_rate > 0:
+        async def fetch(peer: str, block: int):   # a route's block state, as any member may download it
+            return (await node.client.get_block_state(peer, block, timeout=CHECK_FETCH_S))[1]
+        check = GradientCheck(trainer.objective, b, cfg.n_blocks, fetch, rate=settings.check_rate)
     engine = PipelineEngine(trainer, n_blocks=cfg.n_blocks, loop=node.loop, next_stage=next_stage, settings=settings,
                             self_peer=node.peer_id, on_step=node._after_step, idle=node._idle, traffic=traffic,
-                            duty=node.duty, stats=stats)
+                            duty=node.duty, stats=stats, check=check)
     if next_stage is not None:
         next_stage.on_event = engine.stats.add
     gate = upstream_gate(node, b, lambda: engine.stats.add("refused_not_upstream"))
@@ -114,7 +122,8 @@ def pipeline_counters(engine: PipelineEngine) -> dict[str, float]:
     st, tr = engine.stats.snapshot(), engine.traffic.snapshot()
     out = {f"pipeline_microbatches_{k}_total": st[k] for k in ("started", "completed", "received", "sent", "lost",
                                                                 "retried", "refused_busy", "refused_not_upstream",
-                                                                "refused_outlier", "failed_calls")}
+                                                                "refused_outlier", "failed_calls",
+                                                                "gradient_checks", "gradient_checks_failed")}
     out.update({f"pipeline_{k}_total": v for k, v in tr.items()})
     out.update(pipeline_stalled_seconds_total=st["stalled_s"], pipeline_steps_total=st["steps"],
                pipeline_microbatches_expired_in_queue_total=st["expired_in_queue"])

@@ -88,6 +88,7 @@ from blocktrain.blocks.rng import rng_restored, rng_state
 from blocktrain.node.loops import DutyCycle
 from blocktrain.node.pipeline.budget import MicrobatchBudget
 from blocktrain.node.pipeline.screen import LossScreen
+from blocktrain.node.pipeline.verify import CheckInconclusive, GradientCheck
 from blocktrain.node.pipeline.settings import PipelineSettings
 from blocktrain.node.pipeline.stats import PipelineStats
 from blocktrain.node.routing.pipeline_route import DownstreamFailed, NextStage, StateSource
@@ -101,6 +102,7 @@ log = logging.getLogger(__name__)
 _COMPUTED: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("bt_pipeline_computed", default=None)
 STAGE_MARGIN_S = 0.5      # a stage keeps this much of its caller's deadline for its own backward and answer
 MAX_DEFERRED = 2          # window changes in a row a stage may skip its step at (graphs still open) before it steps
+CONVICTED_BAN_S = 60.0    # a holder whose gradient failed a check (verify.py): banned this long, doubling when caught again
 
 
 class _Expired(Exception):
@@ -143,7 +145,8 @@ class PipelineEngine:
     def __init__(self, trainer: BlockTrainer, *, n_blocks: int, loop: LoopThread, next_stage: NextStage | None,
                  settings: PipelineSettings, self_peer: str = "", on_step: Callable[[], None] | None = None,
                  idle: Callable[[], bool] | None = None, traffic: PipelineTraffic | None = None,
-                 duty: DutyCycle | None = None, stats: PipelineStats | None = None):
+                 duty: DutyCycle | None = None, stats: PipelineStats | None = None,
+                 check: GradientCheck | None = None):
         self.trainer, self.objective = trainer, trainer.objective
         self.b, self.n_blocks, self.last = trainer.block_index, n_blocks, trainer.block_index == n_blocks - 1
         self.mode = self.objective.chain_training
@@ -175,6 +178,8 @@ class PipelineEngine:
         self._window_seq = 0            # block 0 with flush: the id of its next window
         self.budget = MicrobatchBudget(settings.timeout_s, settings.timeout_max_s)   # block 0's, per micro-batch
         self.screen = LossScreen(settings.loss_screen)   # losses computed here on what others sent (screen.py)
+        self.check = check if check is not None and check.on and self.mode == "backprop" else None   # verify.py
+        self._convicted: dict[str, int] = {}   # holders of the next block whose gradient failed a check: times caught
         self._screen_writes = trainer.outside_writes     # the trainer's outside writes the screen has followed
 
     # -- compute (one thread, under the trainer's lock) ---------------------------------------------
@@ -405,6 +410,7 @@ class PipelineEngine:
             resp = await self._send(self._outgoing(work), req.targets, left, req.origin, req.window)
             grad = None
             if self.mode == "backprop":
+                await self._checked(work, req.targets, resp)
                 grad = await self._in_compute(self._backward, work, resp.grad, resp.loss)
             self.stats.add("answered")
             return StageResponse(req.request_id, grad, resp.loss, {**own, **resp.losses},
@@ -426,6 +432,32 @@ class PipelineEngine:
             self.stats.timed("serve", time.monotonic() - t0)
             self._held -= 1
             self.stats.activity.change(inflight=-1)
+
+    async def _checked(self, work: _Work, targets: torch.Tensor, resp: StageResponse) -> None:
+        """Before a backward: the gradient check (verify.py) of this answer, if one is due. A failed check bans the
+        holder that answered; a failed or inconclusive one drops the micro-batch (DownstreamFailed)."""
+        c = self.check
+        if c is None or resp.grad is None or not resp.route or not c.due(resp.route[0], self.trainer.step):
+            return
+        peer = resp.route[0]
+        sent = work.out if work.out is not None else await self._in_compute(self._forward_again, work)
+        self.stats.add("gradient_checks")
+        try:
+            why, convicted = await c.check(sent, targets, resp.grad, resp.route)
+        except CheckInconclusive as e:   # set aside for the short collateral ban (it may be merely busy), where
+            self.stats.add("gradient_checks_inconclusive")   # another holder can take its place
+            if any(p != peer for p in await self.next.holders(self.b + 1, False)):
+                self.next.bans.strike([peer], f"pipeline block {self.b + 1}: its answer could not be checked: {e}",
+                                      attributable=False)
+            raise DownstreamFailed("unchecked", f"block {self.b + 1}'s answer could not be checked: {e}") from None
+        if why is not None:   # dropped; convicted (failed twice in a row): banned CONVICTED_BAN_S, doubling each time,
+            self.stats.add("gradient_checks_failed")   # unless it is the block's only holder (verify.py)
+            if convicted and any(p != peer for p in await self.next.holders(self.b + 1, False)):
+                n = self._convicted[peer] = self._convicted.get(peer, 0) + 1
+                self.next.bans.ban_for(peer, CONVICTED_BAN_S * 2 ** (n - 1), f"pipeline block {self.b + 1}: {why}")
+            else:
+                log.warning("pipeline block %d: dropped an answer of %s: %s", self.b, peer, why)
+            raise DownstreamFailed("bad_gradient", f"block {self.b + 1} holder {peer[-8:]}: {why}")
 
     def _outgoing(self, work: _Work) -> "torch.Tensor | StateSource":
         """What to send on: the output itself, or, for a recomputing micro-batch (it keeps no graph), a
@@ -497,6 +529,7 @@ class PipelineEngine:
                     raise
                 self.budget.completed(time.monotonic() - t0)
                 if self.mode == "backprop":
+                    await self._checked(work, y, resp)
                     await self._in_compute(self._backward, work, resp.grad, resp.loss)
             self.stats.add("completed")
         except DownstreamFailed as e:

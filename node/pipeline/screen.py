@@ -6,11 +6,18 @@ loss is computed (the last block in ``pipeline`` runs; every block in ``forward-
 head) the targets are the sender's, so such a Sybil could send targets that are all ``x`` and make the chain
 learn to answer ``x`` to everything (docs/records/s36/sybil_poison_probe.py). Poisoned targets are, by design,
 text the model has not been learning: their loss is far above the losses of the honest micro-batches it trains
-on. So a computing stage keeps the losses of the last ``window`` micro-batches it trained on, and refuses (the
+on. So a computing stage (opt-in, ``--pipeline-loss-screen``: off by default, RELIABILITY.md says why) keeps the losses of the last ``window`` micro-batches it trained on, and refuses (the
 typed ``outlier`` answer: no backward, no gradient to any block of the chain) one whose loss exceeds their
 median by more than ``margin`` nats/byte, or by more than ``spread`` robust standard deviations (1.4826 x the
 median absolute deviation) where the honest losses spread wider than that. Only losses of micro-batches it
 trained on enter the window, so refused poison never moves the threshold.
+
+The senders' weights move too, and not always a little: a holder of block b-1 that restarted from an old checkpoint
+or started fresh (no state to download), or one a Sybil of a later block wrecked with gradients (RELIABILITY.md gap
+13), sends activations on which every loss is far above the window; refusing them for good would leave that block
+never trained through the chain again. So once the stage has refused everything it was sent for ``valve_s``
+seconds (``valve_n`` micro-batches at least), and trained on none, the window is emptied and warms up again on
+what comes (counted ``resets``): while any sender's micro-batches pass, none of this happens.
 
 Weights written from outside training (an accepted averaging round, a loaded state) can move every honest loss at
 once; were that move larger than the margin, the stage would refuse all it is sent from then on, and its window,
@@ -19,17 +26,22 @@ trained on (one micro-batch: the engine's ``reference``), and after such a write
 the whole window moves by the change in its loss (:meth:`LossScreen.rebase`).
 
 Limits (RELIABILITY.md "Training traffic"): the first ``warmup`` micro-batches a stage trains on are not screened
-(nothing to compare with: a Sybil present from a run's first step is not stopped); poison whose loss stays within
+(nothing to compare with: a Sybil present from a run's first step is not stopped, nor one that is the only sender
+for ``valve_s``); poison whose loss stays within
 the margin (targets close to the text's own statistics) is trained on, each such micro-batch moving the weights
 as much as an honest one does. Micro-batches of a block-0 holder's own data (a 1-block run) are never screened.
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
+import time
 from collections import deque
 
 __all__ = ["LossScreen"]
+
+log = logging.getLogger(__name__)
 
 ROBUST_SD = 1.4826   # the median absolute deviation of a normal distribution, in standard deviations
 
@@ -37,10 +49,15 @@ ROBUST_SD = 1.4826   # the median absolute deviation of a normal distribution, i
 class LossScreen:
     """``reason = screen.refuses(loss)`` (None: train on it, then ``screen.trained(loss)``). ``margin <= 0``: off."""
 
-    def __init__(self, margin: float = 1.0, *, window: int = 128, warmup: int = 32, spread: float = 6.0):
+    def __init__(self, margin: float = 1.0, *, window: int = 128, warmup: int = 32, spread: float = 6.0,
+                 valve_s: float = 60.0, valve_n: int = 16, clock=time.monotonic):
         if warmup > window:
             raise ValueError("the warm-up cannot be longer than the window it fills")
         self.margin, self.warmup, self.spread = margin, warmup, spread
+        self.valve_s, self.valve_n, self._clock = valve_s, valve_n, clock
+        self._trained_at = clock()     # when it last trained on a micro-batch (or was made)
+        self._refused_since = 0        # micro-batches refused since then
+        self.resets = 0
         self._losses: deque[float] = deque(maxlen=window)
         self._lock = threading.Lock()
         self.refused = 0
@@ -66,13 +83,22 @@ class LossScreen:
         if limit is None or loss <= limit:
             return None
         with self._lock:
+            if self._refused_since >= self.valve_n and self._clock() - self._trained_at >= self.valve_s:
+                self._losses.clear()   # everything refused for valve_s: the senders moved, not only attackers
+                self._refused_since = 0
+                self.resets += 1
+                log.warning("loss screen: every micro-batch refused for %.0f s (%d and more); warming up again on what "
+                            "comes (the senders' weights moved)", self.valve_s, self.valve_n)
+                return None
             self.refused += 1
+            self._refused_since += 1
         return (f"its loss {loss:.3f} nats/byte is above this stage's screen {limit:.3f} (the median of the "
                 f"last {len(self._losses)} losses it trained on plus its margin): not trained on")
 
     def trained(self, loss: float, inputs=None, targets=None) -> None:
         with self._lock:
             self._losses.append(float(loss))
+            self._trained_at, self._refused_since = self._clock(), 0
             if inputs is not None:
                 self.reference = (inputs, targets, float(loss))
 

@@ -22,8 +22,10 @@ class PipelineSettings:
                                  # forward again first (GPipe's re-materialisation: memory of one graph, not K)
     layer_checkpoint: bool = False   # every forward with a graph keeps each layer's input only; the backward runs
                                      # the layer again (activation checkpointing: one layer's graph, not a block's)
-    loss_screen: float = 1.0     # a stage computing a loss refuses micro-batches whose loss is this many nats/byte
+    loss_screen: float = 0.0     # a stage computing a loss refuses micro-batches whose loss is this many nats/byte
                                  # above the median of those it trained on (node/pipeline/screen.py); 0: off
+    check_rate: float = 0.0      # backprop, blocks before the last: the share of answers recomputed from the route's
+                                 # downloaded states before their backward, besides each holder's first (verify.py); 0: off
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -38,5 +40,7 @@ class PipelineSettings:
                              f"got {self.timeout_max_s}")
         if not 0.0 <= self.loss_screen <= 100.0:
             raise ValueError(f"pipeline loss screen must be in [0, 100] nats/byte (0: off), got {self.loss_screen}")
+        if not 0.0 <= self.check_rate <= 1.0:
+            raise ValueError(f"pipeline check rate must be in [0, 1] (0: off), got {self.check_rate}")
         if not 0 <= self.retries <= 16:
             raise ValueError(f"pipeline retries must be in [0, 16], got {self.retries}")

@@ -45,7 +45,9 @@ class PipelineStats:
     gradient came back, or streamed: the chain answered), ``lost`` (dropped, by reason). As a stage:
     ``received`` calls served, ``refused_busy``, ``refused_not_upstream`` (a caller not announced as a holder
     of the block before: node/pipeline/admission.py), ``refused_outlier`` (a micro-batch whose loss this stage's
-    screen refused: node/pipeline/screen.py; answered ``outlier``, not trained on), ``failed_downstream``, ``expired_in_queue`` (a call
+    screen refused: node/pipeline/screen.py; answered ``outlier``, not trained on), ``gradient_checks`` of the next
+    block's answers (node/pipeline/verify.py; ``_failed``: the holder banned, ``_inconclusive``: could not be made;
+    either drops the micro-batch), ``failed_downstream``, ``expired_in_queue`` (a call
     whose deadline passed while its forward waited for the compute thread: answered ``timeout``, not
     run). Both: ``sent`` onward calls that were answered, ``failed_calls`` (a holder failed or timed
     out), ``retried`` (another holder was asked after a failure; ``retried_same``: the same holder,
@@ -66,7 +68,7 @@ class PipelineStats:
             "failed_calls", "retried", "retried_same", "busy", "recomputed", "recomputed_stashed",
             "resent_recomputed", "routed_unannounced", "steps", "microbatches_accumulated",
             "window_steps_deferred", "window_steps_forced", "expired_in_queue", "refused_not_upstream",
-            "refused_outlier")
+            "refused_outlier", "gradient_checks", "gradient_checks_failed", "gradient_checks_inconclusive")
 
     def __init__(self):
         self._lock = threading.Lock()

@@ -47,6 +47,16 @@ class PeerBans:
         log.warning("banning peer %s: %s", peer, reason)
         self.strike([peer], reason, attributable=True)
 
+    def ban_for(self, peer: str, seconds: float, reason: str) -> None:
+        """Banned for ``seconds`` (at most ``max_seconds``) whatever its strikes: for a caller that keeps its own
+        count of what a peer was caught at (strikes are forgiven by the next call that merely succeeds)."""
+        log.warning("banning peer %s for %.0f s: %s", peer, seconds, reason)
+        with self._lock:
+            self._until[peer] = max(self._until.get(peer, 0.0), time.monotonic() + min(self.max_seconds, seconds))
+            self.total += 1
+            self.log.append((time.time(), peer, seconds, reason))
+            del self.log[:-100]
+
     def forgive(self, peers: Sequence[str]) -> None:
         """Peers that just served us well lose their strikes (not a running ban)."""
         with self._lock:
