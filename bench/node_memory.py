@@ -55,8 +55,8 @@ KINDS = ("main", "dht", "averager", "p2pd", "torch_shm_manager", "other")
 KNOBS = ("BT_HIVEMIND_IN", "HIVEMIND_MEMORY_SHARING_STRATEGY", "BT_TORCH_OPTIM", "BT_TUNE_MALLOC", "GOGC",
          "GOMEMLIMIT", "BT_RELEASE_PAGES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX",
          "BT_EAGER_IMPORTS", "GOMAXPROCS", "GODEBUG", "MALLOC_MMAP_THRESHOLD_")
-_EAGER = {"BT_EAGER_IMPORTS": "scipy,cli,hivemind"}   # the imports as they were before the lazy ones (lean1 and older)
-_LEAN3_IMPORTS = "hivemind,scipy-base"   # imported eagerly until the fourth pass (lean3 and older)
+_EAGER = {"BT_EAGER_IMPORTS": "scipy,cli,hivemind,torch"}   # the imports before the lazy ones (lean1 and older)
+_LEAN3_IMPORTS = "hivemind,scipy-base,torch"   # imported eagerly until the fourth pass (lean3 and older)
 _KEEP = {"BT_RELEASE_PAGES": "0"}   # start-up's library code pages kept mapped (lean2 and older)
 _KEEP3 = {**_KEEP, "BT_EAGER_IMPORTS": _LEAN3_IMPORTS}
 _OLD = {"BT_TORCH_OPTIM": "1", "BT_TUNE_MALLOC": "0", "GOGC": "100", "GOMEMLIMIT": "off", **_EAGER, **_KEEP}
@@ -90,8 +90,12 @@ LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {
                         "not the default)", {"GODEBUG": "madvdontneed=1"}),
     "mmap128k": ("as after, with glibc's mmap threshold pinned at 128 KiB from the start (MALLOC_MMAP_THRESHOLD_; "
                  "tried, not the default: +70% CPU per tiny training step)", {"MALLOC_MMAP_THRESHOLD_": "131072"}),
-    "after": ("the default: as lean3, and neither scipy's base package nor hivemind's package __init__ (its "
-              "mixture-of-experts and optimizer packages) imported (p2p/lean_imports.py)", {}),
+    "lean4": ("as lean3, and neither scipy's base package nor hivemind's package __init__ (its "
+              "mixture-of-experts and optimizer packages) imported (p2p/lean_imports.py): the default of "
+              "commit 26d1921", {"BT_EAGER_IMPORTS": "torch"}),
+    "after": ("the default: as lean4, and torch's Python meta kernels (torch._meta_registrations, with "
+              "torch._decomp and _refs), torch.export and torch.distributions not imported (node/memory.py "
+              "import_torch_lean)", {}),
 }
 
 

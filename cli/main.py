@@ -17,6 +17,9 @@ from .node_cmds import export, generate, join, seed, status
 from .swarm_cmd import swarm
 
 
+NODE_COMMANDS = ("seed", "join")   # the commands that run a node in this process (node/memory.py)
+
+
 class LazyGroup(click.Group):
     """A click group whose ``lazy`` commands (name -> "module:attribute", relative to this package)
     are imported the first time click asks for them."""
@@ -41,7 +44,8 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup, lazy={"train-local": ".local_cmds:train_local", "eval": ".local_cmds:eval_cmd"},
              context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="blocktrain")
-def cli():
+@click.pass_context
+def cli(ctx: click.Context):
     """BlockTrain node: train and serve one language model split into blocks, peer to peer.
 
     \b
@@ -50,6 +54,10 @@ def cli():
       bt-node eval --checkpoint runs/local --data ../shared/data/wikitext-2-raw
       bt-node bench quality --data ../shared/data/gutenberg --preset cpu --lr-sweep --out runs/v2
     """
+    if ctx.invoked_subcommand in NODE_COMMANDS:   # before anything imports torch: a node runs no meta tensors
+        from ..node.memory import import_torch_lean
+
+        import_torch_lean()
 
 
 @cli.group(cls=LazyGroup, lazy={

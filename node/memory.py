@@ -31,15 +31,38 @@ written (copy-on-write, anonymous) page, e.g. relocated data, is never touched. 
 ``linecache`` (source lines that warnings and tracebacks printed while starting read in: ~2 MB) and
 returns free heap pages (``malloc_trim``). BT_RELEASE_PAGES=0 keeps them all (``bt-node bench
 node-memory``'s older layouts).
+
+:func:`import_torch_lean`, called by the node commands before anything imports torch, keeps torch's
+Python meta kernels out of the node: ``torch._meta_registrations`` and the ``torch._decomp``,
+``torch._prims`` and ``torch._refs`` it imports (533 meta kernels and 1,097 decompositions in torch
+2.13's tables), -17.6 MB of private memory in a bare interpreter (BENCHMARKS.md "Lean nodes", fifth
+pass). They serve meta and fake tensors (``torch.compile``, ``torch.export``, shape propagation), which
+a node never creates: its tensors are CPU or CUDA tensors, whose kernels are C++, so its results are bit
+for bit the same (tests/test_lean_imports.py). Of ``torch._prims`` a node needs one thing, the metaclass
+``torch._prims.rng_prims`` gives ``torch.Generator`` (which refuses to run without it): it is set here
+by the same call. The first import of a compile or decomposition stack (``METAS_NEEDED_BY``) loads the
+real registrations first, as does the first read of an attribute of the stand-in (``from
+torch._meta_registrations import ...``); an op run on a meta tensor with no kernel of its own before
+that raises torch's NotImplementedError (loud, never a wrong result). The packages of ``TORCH_UNUSED``
+(``torch.export``, ``torch.distributions``, ``torch.quantization``, ``torch.masked``, ``torch.profiler``:
+imported by torch's ``__init__``, read by no node code nor hivemind's; about -5 MB more) get stand-ins
+as scipy does (p2p/lean_imports.py): the first read of any of their names imports them.
+``BT_EAGER_IMPORTS=torch`` keeps all of it eager.
 """
 from __future__ import annotations
 
 import ctypes
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import linecache
 import os
 import sys
 import threading
 import time
+
+from ..p2p.lean_imports import eager, is_stand_in, stand_in
 
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3   # <malloc.h>
 MADV_DONTNEED = 4   # <sys/mman.h>
@@ -132,3 +155,92 @@ def _rss_file() -> int:
             if line.startswith("RssFile:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+TORCH_METAS = "torch._meta_registrations"
+# the stacks that run meta or fake tensors: the first import of one loads the real registrations after it
+METAS_NEEDED_BY = ("torch._decomp", "torch._refs", "torch._dynamo", "torch._inductor", "torch._functorch.aot_autograd")
+# packages torch's __init__ imports that no node code (nor hivemind's) reads: imported on their first read
+TORCH_UNUSED = ("torch.export", "torch.distributions", "torch.quantization", "torch.masked", "torch.profiler")
+
+
+class _AlreadyImported(importlib.abc.Loader):
+    """The loader of a module that :func:`load_torch_metas` imported while the import system was looking
+    for it: hands the module in ``sys.modules`` (run once) to the import under way, which would otherwise
+    run the module's file a second time into a new module object, and gives it back its own spec."""
+
+    def __init__(self, module):
+        self.module, self.spec = module, module.__spec__
+
+    def create_module(self, spec):
+        return self.module
+
+    def exec_module(self, module) -> None:
+        module.__spec__ = self.spec   # the import system set ours
+
+
+class _MetasFirstFinder(importlib.abc.MetaPathFinder):
+    """On sys.meta_path while the registrations are deferred: the first import of a module of
+    ``METAS_NEEDED_BY`` imports the real registrations first, in torch's own order (they import
+    ``torch._decomp`` and ``torch._refs`` themselves), then that module."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in METAS_NEEDED_BY:
+            return None
+        load_torch_metas()   # takes this finder off sys.meta_path first
+        module = sys.modules.get(fullname)
+        if module is None:
+            return None   # not imported by the registrations (torch._dynamo, ...): the usual finders go on
+        alias = importlib.machinery.ModuleSpec(fullname, _AlreadyImported(module))
+        module.__spec__ = alias   # the import system takes the spec of a module found in sys.modules meanwhile
+        return alias
+
+
+def import_torch_lean() -> bool:
+    """Import torch with stand-ins for ``torch._meta_registrations`` and ``TORCH_UNUSED`` (see the module
+    docstring). True if deferred here; False if torch is already imported or lacks those modules, or
+    ``BT_EAGER_IMPORTS`` names ``torch`` (then torch is imported as usual)."""
+    if "torch" in sys.modules or TORCH_METAS in sys.modules or eager("torch"):
+        return False
+    spec = importlib.util.find_spec("torch")   # a top-level name: imports nothing
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    root = list(spec.submodule_search_locations)[0]
+    files = {name: os.path.join(root, *name.split(".")[1:], "__init__.py") for name in TORCH_UNUSED}
+    files[TORCH_METAS] = os.path.join(root, "_meta_registrations.py")
+    if not all(os.path.isfile(f) for f in files.values()):
+        return False
+    for name, f in files.items():   # a package's stand-in has no __path__: its submodules import the real one
+        sys.modules[name] = stand_in(name, importlib.util.spec_from_file_location(name, f))
+    sys.meta_path.insert(0, _MetasFirstFinder())
+    import torch
+    _generator_metaclass(torch)
+    return True
+
+
+def _generator_metaclass(torch) -> None:
+    """torch 2.13's ``torch.Generator()`` refuses to run until ``torch._prims.rng_prims`` has set the
+    Generator's metaclass, which the registrations' import of ``torch._prims`` otherwise does: set it as
+    that module does (one call), or, where this torch lacks the call, import the module (+6 MB)."""
+    try:
+        set_metaclass = torch._C._set_generator_metaclass
+        from torch._opaque_base import OpaqueBaseMeta
+    except (AttributeError, ImportError):
+        try:
+            importlib.import_module("torch._prims.rng_prims")
+        except ImportError:
+            pass   # a torch without either needs neither
+        return
+    set_metaclass(OpaqueBaseMeta)
+
+
+def load_torch_metas() -> bool:
+    """Import the real ``torch._meta_registrations`` now if :func:`import_torch_lean` stood in for it.
+    True if loaded here."""
+    for finder in [f for f in sys.meta_path if isinstance(f, _MetasFirstFinder)]:
+        sys.meta_path.remove(finder)
+    deferred = sys.modules.get(TORCH_METAS)
+    if not is_stand_in(deferred):
+        return False
+    deferred.register_meta   # noqa: B018 (any attribute imports the real module, which replaces the stand-in)
+    return True

@@ -23,7 +23,8 @@ found in ``sys.modules``, which makes a LazyLoader module load at once.)
 Called from ``blocktrain/p2p/__init__.py``, before any submodule imports hivemind.
 ``BT_EAGER_IMPORTS`` (a comma list; ``bt-node bench node-memory`` uses it for its older layouts) keeps
 imports eager: ``scipy`` (scipy and scipy.optimize), ``scipy-base`` (the scipy package only: the
-default until 2026-12-01's fourth pass), ``hivemind`` (hivemind's ``__init__``).
+default until 2026-12-01's fourth pass), ``hivemind`` (hivemind's ``__init__``); ``cli`` (cli/main.py)
+and ``torch`` (node/memory.py) are read there.
 """
 from __future__ import annotations
 
@@ -59,7 +60,13 @@ class _Deferred(types.ModuleType):
         return getattr(real, attr)
 
 
-def _stand_in(name: str, spec) -> _Deferred:
+def is_stand_in(module) -> bool:
+    """True if ``module`` (an entry of ``sys.modules``) is a stand-in whose real module is not imported yet."""
+    return isinstance(module, _Deferred)
+
+
+def stand_in(name: str, spec) -> _Deferred:
+    """A :class:`_Deferred` stand-in for module ``name`` found at ``spec`` (also used by node/memory.py for torch)."""
     m = _Deferred(name)
     m.__spec__, m.__file__, m.__loader__, m.__package__ = spec, spec.origin, spec.loader, spec.parent
     return m
@@ -79,9 +86,9 @@ def defer_scipy_optimize() -> bool:
             return False
         if spec is None:
             return False
-        stand_in = _stand_in(name, spec)
-        sys.modules[name] = stand_in
-        setattr(sys.modules["scipy"], "optimize", stand_in)   # as a submodule import would
+        deferred = stand_in(name, spec)
+        sys.modules[name] = deferred
+        setattr(sys.modules["scipy"], "optimize", deferred)   # as a submodule import would
         return True
     base = importlib.util.find_spec("scipy")   # a top-level name: imports nothing
     if base is None or not base.submodule_search_locations:
@@ -92,10 +99,10 @@ def defer_scipy_optimize() -> bool:
     spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=[os.path.dirname(path)])
     # no __path__ on the package's stand-in: importing any scipy submodule reads it, which imports the
     # real scipy first (its __init__ runs, as it would have)
-    package = _stand_in("scipy", base)
-    stand_in = _stand_in(name, spec)
-    package.optimize = stand_in   # hivemind's ``import scipy.optimize`` binds the package; it reads .optimize
-    sys.modules["scipy"], sys.modules[name] = package, stand_in
+    package = stand_in("scipy", base)
+    deferred = stand_in(name, spec)
+    package.optimize = deferred   # hivemind's ``import scipy.optimize`` binds the package; it reads .optimize
+    sys.modules["scipy"], sys.modules[name] = package, deferred
     return True
 
 

@@ -1,5 +1,5 @@
-"""Imports a node does not need are deferred (issue 15, lean nodes: p2p/lean_imports.py, cli/main.py),
-and deferring them changes no behaviour. Fresh interpreters (the test process has imported
+"""Imports a node does not need are deferred (issue 15, lean nodes: p2p/lean_imports.py, cli/main.py,
+node/memory.py for torch's), and deferring them changes no behaviour. Fresh interpreters (the test process has imported
 everything already): one that imports what a node imports (~9 s unloaded), and two that import
 ``blocktrain.p2p`` only."""
 from __future__ import annotations
@@ -200,3 +200,92 @@ def test_a_tuned_node_maps_large_tensors_on_their_own_and_unmaps_them_when_freed
         assert out["during"] == out["before"] + 1 and out["after"] == out["before"], out
     else:
         assert out["during"] == out["before"] == out["after"], out
+
+
+TORCH_PROBE = r"""
+import hashlib, json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from click.testing import CliRunner
+from blocktrain.cli.main import cli
+# what `bt-node seed`/`join` run first: the group's callback, before the subcommand parses its flags
+r = CliRunner().invoke(cli, ["seed", "--no-such-flag"])
+assert r.exit_code == 2 and "no-such-flag" in r.output, r.output
+from blocktrain.p2p.lean_imports import is_stand_in
+import torch
+from blocktrain.blocks.model import Model
+from blocktrain.node.pipeline.engine import PipelineEngine
+from blocktrain.node.pipeline.settings import PipelineSettings
+from blocktrain.node.trainer import BlockTrainer
+from test_utils.configs import tiny_config
+from blocktrain.node.memory import TORCH_UNUSED
+NAMES = ("torch._meta_registrations", *TORCH_UNUSED)
+out = {"stand_ins": [n for n in NAMES if is_stand_in(sys.modules.get(n))]}
+data = np.frombuffer(b"the cat sat on the mat; the dog sat on the log. " * 60, dtype=np.uint8)
+digest = hashlib.sha256()
+for objective in ("paper", "pipeline"):
+    cfg = tiny_config(objective=objective, n_blocks=3, dropout=0.1)
+    trainers = [BlockTrainer(cfg, b, data, data, seed=b, worker_id=1) for b in range(3)]
+    out[objective + "_losses"] = [[t.train_step()["loss"] for _ in range(3)] for t in trainers] if objective == "paper" else []
+    if objective == "pipeline":   # a middle stage's forward and backward (activation gradients) on one micro-batch
+        t = trainers[1]
+        e = PipelineEngine(t, n_blocks=3, loop=None, next_stage=object(), settings=PipelineSettings(accumulate=4))
+        gen = torch.Generator().manual_seed(7)
+        T, D = cfg.seq_len, t.objective.state_dim()
+        x, y, g = (torch.randn(2, T, D, generator=gen), torch.randint(0, 256, (2, T), generator=gen),
+                   torch.randn(2, T, D, generator=gen))
+        torch.manual_seed(1234)
+        grad_in = e._backward(e._forward(x, None, y), g, 1.0)
+        digest.update(grad_in.numpy().tobytes())
+        e.close()
+    for t in trainers:
+        for p in t.module.parameters():
+            digest.update(p.detach().numpy().tobytes())
+    m = Model(cfg, trainers[0].objective, [t.module.eval() for t in trainers])
+    out[objective + "_text"] = m.generate("the ", 12, temperature=0.8, seed=3)["bytes"].hex()
+out["digest"] = digest.hexdigest()
+out["decomp_after_training"] = [m for m in ("torch._decomp", "torch._prims", "torch._refs") if m in sys.modules]
+out["stand_ins_after_training"] = [n for n in NAMES if is_stand_in(sys.modules.get(n))]
+if out["stand_ins"]:   # what loads the deferred modules: meta tensors refused until a tracing stack is imported
+    try:
+        torch.fft.fft(torch.empty(8, device="meta"))
+        out["meta_before"] = "ran"
+    except NotImplementedError:
+        out["meta_before"] = "refused"
+    import torch._decomp
+    out["metas_real"] = not is_stand_in(sys.modules["torch._meta_registrations"])
+    out["decompositions"] = len(torch._decomp.decomposition_table)
+    out["meta_after"] = list(torch.fft.fft(torch.empty(8, device="meta")).shape)
+    out["normal"] = float(torch.distributions.Normal(0.0, 1.0).log_prob(torch.tensor(0.0)))
+    out["export_real"] = callable(torch.export.export) and not is_stand_in(sys.modules["torch.export"])
+    with torch.profiler.record_function("probe"):   # the others: their first read imports them
+        out["others_real"] = (callable(torch.quantization.QuantStub) and callable(torch.masked.masked_tensor)
+                              and not any(is_stand_in(sys.modules.get(n)) for n in NAMES))
+print(json.dumps(out))
+"""
+
+
+def test_a_node_imports_torch_without_its_meta_kernels_and_trains_bit_for_bit_the_same():
+    """node/memory.py import_torch_lean (via the node commands): the same losses, weights, activation
+    gradients and generations with and without torch's meta kernels and the packages of TORCH_UNUSED;
+    the first import of a tracing stack brings the kernels back, the first read of a package imports it."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    runs = {}
+    for eager in ("", "torch"):
+        env = {**os.environ, "BT_EAGER_IMPORTS": eager, "OMP_NUM_THREADS": "1"}
+        r = subprocess.run([sys.executable, "-c", TORCH_PROBE, tests_dir], capture_output=True, text=True,
+                           timeout=300, env=env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[eager] = json.loads(r.stdout.strip().splitlines()[-1])
+    lean, eager = runs[""], runs["torch"]
+    assert lean["stand_ins"] == ["torch._meta_registrations", "torch.export", "torch.distributions",
+                                 "torch.quantization", "torch.masked", "torch.profiler"]
+    assert eager["stand_ins"] == []
+    for key in ("paper_losses", "paper_text", "pipeline_text", "digest"):
+        assert lean[key] == eager[key], key
+    assert len(lean["paper_text"]) == 24 and len(lean["paper_losses"]) == 3
+    assert lean["decomp_after_training"] == [] and lean["stand_ins_after_training"] == lean["stand_ins"]
+    assert eager["decomp_after_training"] == ["torch._decomp", "torch._prims", "torch._refs"]
+    assert lean["meta_before"] == "refused" and lean["metas_real"] and lean["decompositions"] > 500
+    assert lean["meta_after"] == [8] and abs(lean["normal"] + 0.9189385) < 1e-6 and lean["export_real"]
+    assert lean["others_real"]
