@@ -156,6 +156,8 @@ def test_a_recomputing_stage_gives_its_output_up_and_a_retry_recomputes_the_same
         first, again = asyncio.run(send_twice())
         assert torch.equal(first, sent) and torch.equal(again, sent)
         assert e.stats.snapshot()["resent_recomputed"] == 1
+        checked = e._forward_again(work, resend=False)   # a gradient check's recompute (engine._checked): no resend
+        assert torch.equal(checked, sent) and e.stats.snapshot()["resent_recomputed"] == 1
         _, in0, p0, _ = _run(block, recompute=False)                  # the backward still matches a kept graph
         grad_in = e._backward(work, g, 1.0)
         if block:

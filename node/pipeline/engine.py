@@ -440,7 +440,7 @@ class PipelineEngine:
         if c is None or resp.grad is None or not resp.route or not c.due(resp.route[0], self.trainer.step):
             return
         peer = resp.route[0]
-        sent = work.out if work.out is not None else await self._in_compute(self._forward_again, work)
+        sent = work.out if work.out is not None else await self._in_compute(self._forward_again, work, False)
         self.stats.add("gradient_checks")
         try:
             why, convicted = await c.check(sent, targets, resp.grad, resp.route)
@@ -473,8 +473,9 @@ class PipelineEngine:
             return await self._in_compute(self._forward_again, work)
         return source
 
-    def _forward_again(self, work: _Work) -> torch.Tensor:
-        """A recomputing micro-batch's output once more, for a retry (no graph; compute thread, under the
+    def _forward_again(self, work: _Work, resend: bool = True) -> torch.Tensor:
+        """A recomputing micro-batch's output once more, for a retry (``resend``: counted as
+        ``resent_recomputed``) or for a gradient check of its answer (no graph; compute thread, under the
         lock). The weights it first ran on: the live ones if unchanged, else a stash, else the live ones
         (the retried holder then gets a different h_b: counted as a recompute on new weights)."""
         t = self.trainer
@@ -482,7 +483,8 @@ class PipelineEngine:
             if not work.open:
                 raise DownstreamFailed("released", "the micro-batch was let go before its retry")
             x, ctx, weights, rng = work.x, work.context, work.weights, work.rng
-            self.stats.add("resent_recomputed")
+            if resend:
+                self.stats.add("resent_recomputed")
             stale = work.version != t.weights_version
             module = self._shadow_with(weights) if stale and weights is not None else t.module
             module.train()
