@@ -264,13 +264,7 @@ class Outsider:
             self.dht.run_coroutine(partial(_add_signer, signer=ManyKeysSigner(keys[i:i + 4])))
         stall_addrs = {}
         for k in keys[:stall]:   # a real daemon under that identity, whose hop handler never answers
-            path = f"{self._key_dir}/{peer_id_of(k)[-12:]}.key"
-            with open(path, "wb") as f:
-                f.write(crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=k._private_key.private_bytes(
-                    *_der_args())).SerializeToString())
-            d = DHT(initial_peers=[self.initial_peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                    identity_path=path, check_if_identity_free=False, client_mode=False)
-            self.stallers.append(d)
+            d = self._daemon_of(k)
             d.run_coroutine(partial(_serve_stalling, kind=stall_kind, offer_file=offer_file, config_hash=config_hash,
                                     namespace=STALLERS[stall_kind][1].format(run=run_id, block=block)))
             stall_addrs[peer_id_of(k)] = [str(m) for m in d.get_visible_maddrs()]
@@ -309,13 +303,7 @@ class Outsider:
         from it (``_send_microbatches``). Returns the answers' codes."""
         k = RSAPrivateKey()   # the Sybil's identity: its record's signer and its daemon's libp2p key
         self.dht.run_coroutine(partial(_add_signer, signer=ManyKeysSigner([k])))
-        path = f"{self._key_dir}/{peer_id_of(k)[-12:]}.key"
-        with open(path, "wb") as f:
-            f.write(crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=k._private_key.private_bytes(
-                *_der_args())).SerializeToString())
-        d = DHT(initial_peers=[self.initial_peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
-                identity_path=path, check_if_identity_free=False, client_mode=False)
-        self.stallers.append(d)   # stopped by close()
+        d = self._daemon_of(k)
         value = {"peer_id": peer_id_of(k), "block_index": block - 1, "state": "online", "step": 1000,
                  "samples_seen": 8000, "throughput": 100.0, "loss": 2.0, "last_round_time": time.time(),
                  "serving": True, "addresses": [str(m) for m in d.get_visible_maddrs()],
@@ -325,6 +313,18 @@ class Outsider:
         return d.run_coroutine(partial(
             _send_microbatches, namespace=STALLERS["train"][1].format(run=run_id, block=block), holder=holder,
             block=block, n=n, shape=list(shape), target=target, seed=seed, batches_file=batches_file))
+
+    def _daemon_of(self, k: RSAPrivateKey) -> DHT:
+        """A DHT peer with its own libp2p daemon under identity ``k`` (its key file in this outsider's key
+        directory); stopped by close()."""
+        path = f"{self._key_dir}/{peer_id_of(k)[-12:]}.key"
+        with open(path, "wb") as f:
+            f.write(crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=k._private_key.private_bytes(
+                *_der_args())).SerializeToString())
+        d = DHT(initial_peers=[self.initial_peer], start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                identity_path=path, check_if_identity_free=False, client_mode=False)
+        self.stallers.append(d)
+        return d
 
     def taken(self) -> int:
         return sum(d.run_coroutine(_taken) for d in self.stallers)
