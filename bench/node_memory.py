@@ -91,11 +91,11 @@ LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {
     "mmap128k": ("as after, with glibc's mmap threshold pinned at 128 KiB from the start (MALLOC_MMAP_THRESHOLD_; "
                  "tried, not the default: +70% CPU per tiny training step)", {"MALLOC_MMAP_THRESHOLD_": "131072"}),
     "lean4": ("as lean3, and neither scipy's base package nor hivemind's package __init__ (its "
-              "mixture-of-experts and optimizer packages) imported (p2p/lean_imports.py): the default of "
-              "commit 26d1921", {"BT_EAGER_IMPORTS": "torch"}),
-    "after": ("the default: as lean4, and torch's Python meta kernels (torch._meta_registrations, with "
-              "torch._decomp and _refs), torch.export and torch.distributions not imported (node/memory.py "
-              "import_torch_lean)", {}),
+              "mixture-of-experts and optimizer packages) imported (p2p/lean_imports.py): the default from "
+              "commit 26d1921 to 84b817a", {"BT_EAGER_IMPORTS": "torch"}),
+    "after": ("the default: as lean4, and neither torch's Python meta kernels (torch._meta_registrations, with "
+              "torch._decomp, _prims and _refs) nor five torch packages no node code reads (torch.export, "
+              "distributions, quantization, masked, profiler) imported (node/memory.py import_torch_lean)", {}),
 }
 
 

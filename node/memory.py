@@ -158,7 +158,7 @@ def _rss_file() -> int:
 
 
 TORCH_METAS = "torch._meta_registrations"
-# the stacks that run meta or fake tensors: the first import of one loads the real registrations after it
+# the stacks that run meta or fake tensors: the first import of one loads the real registrations before it
 METAS_NEEDED_BY = ("torch._decomp", "torch._refs", "torch._dynamo", "torch._inductor", "torch._functorch.aot_autograd")
 # packages torch's __init__ imports that no node code (nor hivemind's) reads: imported on their first read
 TORCH_UNUSED = ("torch.export", "torch.distributions", "torch.quantization", "torch.masked", "torch.profiler")
@@ -182,7 +182,7 @@ class _AlreadyImported(importlib.abc.Loader):
 class _MetasFirstFinder(importlib.abc.MetaPathFinder):
     """On sys.meta_path while the registrations are deferred: the first import of a module of
     ``METAS_NEEDED_BY`` imports the real registrations first, in torch's own order (they import
-    ``torch._decomp`` and ``torch._refs`` themselves), then that module."""
+    ``torch._decomp``, ``torch._prims`` and ``torch._refs`` themselves), then that module."""
 
     def find_spec(self, fullname, path, target=None):
         if fullname not in METAS_NEEDED_BY:
@@ -242,5 +242,5 @@ def load_torch_metas() -> bool:
     deferred = sys.modules.get(TORCH_METAS)
     if not is_stand_in(deferred):
         return False
-    deferred.register_meta   # noqa: B018 (any attribute imports the real module, which replaces the stand-in)
+    getattr(deferred, "register_meta", None)   # any attribute imports the real module, which replaces the stand-in
     return True

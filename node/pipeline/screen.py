@@ -6,10 +6,11 @@ loss is computed (the last block in ``pipeline`` runs; every block in ``forward-
 head) the targets are the sender's, so such a Sybil could send targets that are all ``x`` and make the chain
 learn to answer ``x`` to everything (docs/records/s36/sybil_poison_probe.py). Poisoned targets are, by design,
 text the model has not been learning: their loss is far above the losses of the honest micro-batches it trains
-on. So a computing stage (opt-in, ``--pipeline-loss-screen``: off by default, RELIABILITY.md says why) keeps the losses of the last ``window`` micro-batches it trained on, and refuses (the
-typed ``outlier`` answer: no backward, no gradient to any block of the chain) one whose loss exceeds their
-median by more than ``margin`` nats/byte, or by more than ``spread`` robust standard deviations (1.4826 x the
-median absolute deviation) where the honest losses spread wider than that. Only losses of micro-batches it
+on. So a computing stage (opt-in, ``--pipeline-loss-screen``: off by default, RELIABILITY.md says why) keeps
+the losses of the last ``window`` micro-batches it trained on, and refuses (the typed ``outlier`` answer: no
+backward, no gradient to any block of the chain) one whose loss exceeds their median by more than ``margin``
+nats/byte, or by more than ``spread`` robust standard deviations (1.4826 x the median absolute deviation) where
+the honest losses spread wider than that. Only losses of micro-batches it
 trained on enter the window, so refused poison never moves the threshold.
 
 The senders' weights move too, and not always a little: a holder of block b-1 that restarted from an old checkpoint
@@ -27,9 +28,9 @@ the whole window moves by the change in its loss (:meth:`LossScreen.rebase`).
 
 Limits (RELIABILITY.md "Training traffic"): the first ``warmup`` micro-batches a stage trains on are not screened
 (nothing to compare with: a Sybil present from a run's first step is not stopped, nor one that is the only sender
-for ``valve_s``); poison whose loss stays within
-the margin (targets close to the text's own statistics) is trained on, each such micro-batch moving the weights
-as much as an honest one does. Micro-batches of a block-0 holder's own data (a 1-block run) are never screened.
+for ``valve_s``); poison whose loss stays within the margin (targets close to the text's own statistics) is
+trained on, each such micro-batch moving the weights as much as an honest one does. Micro-batches of a block-0
+holder's own data (a 1-block run) are never screened.
 """
 from __future__ import annotations
 
