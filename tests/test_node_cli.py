@@ -74,9 +74,9 @@ def test_bad_network_flags_are_usage_errors():
 
 
 @pytest.mark.network
-def test_unreachable_peer_gives_one_line_error():
+def test_unreachable_peer_gives_one_line_error(tmp_path):
     r = bt("join", "--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmSDpxpQWKH63Xpf7SKw8tvFw4JH2yzKucxC7KWNBHzby5",
-           "--checkpoint-dir", "/tmp/bt-unreachable-test", timeout=180)
+           "--checkpoint-dir", str(tmp_path / "ckpt"), timeout=180)
     one_line_error(r)
 
 

@@ -10,6 +10,7 @@ then recomputes the honest gradient from them); ``honest_first``: its first N an
 Create it before anything in this process starts a hivemind DHT client (the daemon's event-loop policy)."""
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from functools import partial
@@ -107,3 +108,4 @@ class SybilStage:
             self.loop.stop()
             if self.outsider is not None:
                 self.outsider.close()
+            shutil.rmtree(self._dir, ignore_errors=True)   # its private key
