@@ -75,8 +75,9 @@ def test_a_run_stays_joinable_after_its_seeder_left(tmp_path):
                     data=str(TEST_CORPUS))
     outsiders = []
     try:
-        seed = sw.start_seed(block=0, args=["--manifest-ttl", str(TTL)])
-        member = sw.start_join(block=1)
+        # no training needed: the test is about the manifest (nodes training flat out starve a loaded machine)
+        seed = sw.start_seed(block=0, args=["--manifest-ttl", str(TTL), "--max-steps", "1"])
+        member = sw.start_join(block=1, args=["--max-steps", "1"])
         assert seed.get("/v1/status")["run"]["manifest"]["signed"]
         wait_for(lambda: member.get("/v1/status")["run"]["manifest"].get("last") == "copied", 30,
                  "the member's copy of the manifest")

@@ -124,8 +124,8 @@ def test_every_nodes_join_line_joins_the_run(tmp_path):
     sw = LocalSwarm(tmp_path / "net", run_id="joinline", overrides=SWARM_DEFAULTS + ["n_blocks=2", "objective=paper"],
                     data=str(TEST_CORPUS))
     try:
-        seed = sw.start_seed(block=0)
-        member = sw.start_join(block=1)
+        seed = sw.start_seed(block=0, args=["--max-steps", "1"])   # joining, not training, is under test
+        member = sw.start_join(block=1, args=["--max-steps", "1"])
         for name, via in (("via-seed", seed), ("via-member", member)):
             n = NodeProc(name, [*_join_line(via), "--data", str(TEST_CORPUS), "--max-steps", "1"], tmp_path / name)
             sw.nodes.append(n)
