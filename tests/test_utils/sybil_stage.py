@@ -105,7 +105,9 @@ class SybilStage:
         try:
             self.loop.run(self.p2p.shutdown(), timeout=10)
         finally:
-            self.loop.stop()
-            if self.outsider is not None:
-                self.outsider.close()
-            shutil.rmtree(self._dir, ignore_errors=True)   # its private key
+            try:
+                self.loop.stop()
+                if self.outsider is not None:
+                    self.outsider.close()
+            finally:
+                shutil.rmtree(self._dir, ignore_errors=True)   # its private key
