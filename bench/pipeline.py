@@ -111,7 +111,7 @@ class PipelineBenchSettings:
     curve_windows: int = 256        # held-out windows (the first of eval_windows) each curve point is scored on
     serving: bool = True            # measure each objective's serving cost (a second network per objective)
     preset: str = "cpu"
-    seed: int = 0                   # every worker's --seed (data order) and init_seed; the references' too
+    seed: int = 0                   # every worker's --seed (worker i: --data-stream i), init_seed; the references' too
     lrs: dict[str, float] = field(default_factory=dict)   # peak lr per arm (objective, "whole", "one_block")
     train_windows: int = 256        # windows of the TRAINING bytes every chain and reference is also scored on
     lr_schedule: str = "constant"   # "cosine": every arm decays to a tenth of its peak over its own budget
@@ -199,11 +199,13 @@ class _Network:
     def train(self, say: Callable[[str], None]) -> dict:
         s = self.s
         with _env(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"):
+            # each worker draws the windows of stream i (its place in the layout) with --seed: a rerun with the
+            # same seed trains on the same windows (by default a node's stream comes from its random peer id)
             first = self.order[0]
-            self.swarm.start_seed(block=s.plan[first])
+            self.swarm.start_seed(block=s.plan[first], args=["--data-stream", str(first)])
             self.blocks.append(s.plan[first])
             for i in self.order[1:]:
-                self.swarm.start_join(block=s.plan[i], wait=False)
+                self.swarm.start_join(block=s.plan[i], wait=False, args=["--data-stream", str(i)])
                 self.blocks.append(s.plan[i])
             for nd in self.swarm.nodes[1:]:
                 nd.wait_ready(timeout=240)
@@ -267,7 +269,8 @@ class _Network:
             t1, t0 = pipe.get("times_s") or {}, pipe0.get("times_s") or {}
             sent = int(m.get("pipeline_wire_bytes_sent_total", 0) + st["averaging"].get("bytes_sent", 0))
             workers.append({
-                "name": nd.name, "block": b, "steps": steps, "lr_last": st["self"].get("lr"),
+                "name": nd.name, "block": b, "data_stream": (st["self"].get("data") or {}).get("stream"),
+                "steps": steps, "lr_last": st["self"].get("lr"),
                 "windows": st["self"]["samples_seen"] - st0["self"]["samples_seen"],
                 "tokens": (st["self"]["samples_seen"] - st0["self"]["samples_seen"]) * T,
                 "bytes_sent": sent, "bytes_sent_per_step": sent / steps if steps else None,

@@ -388,7 +388,7 @@ def _measure_in_subprocesses(cfg: ModelConfig, *, steps: int, device: torch.devi
                 if q.poll() is None:
                     q.kill()
                     q.communicate()
-            raise RuntimeError(f"memory measurement of the {which} took more than {timeout:.0f} s") from None
+            raise RuntimeError(f"memory measurement of the {which} took more than {timeout:g} s") from None
         if p.returncode != 0:
             tail = (stderr or stdout).strip().splitlines()[-5:]
             raise RuntimeError(f"memory measurement of the {which} failed (exit {p.returncode}): "

@@ -128,7 +128,8 @@ def _lr_grid(text: str) -> tuple[float, ...]:
               help="Every worker's --pipeline-timeout-max: the most the adaptive budget grows to (default 600; "
                    "equal to --pipeline-timeout: fixed).")
 @click.option("--seed", type=click.IntRange(0, 2**31 - 1), default=0, show_default=True,
-              help="Every worker's --seed (data order) and init_seed; the references' too (a second seed of a run).")
+              help="Every worker's --seed and init_seed; the references' too (a second seed of a run). Worker i "
+                   "draws the windows of --data-stream i, so a rerun with the same seed trains on the same windows.")
 @click.option("--lr", "lr_items", multiple=True, metavar="ARM=RATE",
               help="Peak learning rate of one arm (repeatable): an objective, whole or one_block, e.g. "
                    "--lr pipeline=4e-3 (default: the config's lr for every arm). Not swept by --lr-sweep.")

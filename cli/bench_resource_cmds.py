@@ -120,11 +120,15 @@ def throughput_table(res: dict) -> Table:
 @click.option("--allocator", type=click.Choice(["node", "glibc"]), default="node", show_default=True,
               help="C allocator settings of both processes: node = what a node applies at start (trim threshold "
                    "64 KiB, mmap threshold 4 MiB, a trim every 10 s); glibc = its defaults.")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(0, 86400, min_open=True), default=900, show_default=True,
+              help="Seconds each measurement's process may take (a model of hundreds of millions of parameters "
+                   "needs more on a CPU).")
 @click.option("--tiny", is_flag=True, help="A tiny shape (B=4, 2 layers, d=64, batch 8x64, 1 thread), well under a minute.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 @friendly
 def bench_memory_cmd(config_path, objective, overrides, steps, block_index, device, threads, glibc_mmap, inflight,
-                     recompute, weight_stash, layer_checkpoint, reference_layer_checkpoint, allocator, tiny, as_json):
+                     recompute, weight_stash, layer_checkpoint, reference_layer_checkpoint, allocator, timeout_s, tiny,
+                     as_json):
     """Peak training memory of ONE block vs the end-to-end reference (B x layers_per_block layers).
 
     \b
@@ -138,8 +142,8 @@ def bench_memory_cmd(config_path, objective, overrides, steps, block_index, devi
     steps = (3 if tiny else 5) if steps is None else steps
     threads = (1 if tiny else None) if threads is None else threads
     res = bench_memory(cfg, pick_device(device), steps=steps, block_index=block_index, threads=threads,
-                       glibc_mmap=glibc_mmap, inflight=inflight, recompute=recompute, weight_stash=weight_stash,
-                       allocator=allocator, layer_checkpoint=layer_checkpoint,
+                       timeout=timeout_s, glibc_mmap=glibc_mmap, inflight=inflight, recompute=recompute,
+                       weight_stash=weight_stash, allocator=allocator, layer_checkpoint=layer_checkpoint,
                        reference_layer_checkpoint=reference_layer_checkpoint)
     if as_json:
         emit_json(res)

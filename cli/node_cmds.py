@@ -16,7 +16,7 @@ import click
 from rich.live import Live
 from rich.table import Table
 
-from ..node.options import NEW_RUN_OBJECTIVE, NodeOptions
+from ..node.options import MAX_SEED, MAX_STREAM, NEW_RUN_OBJECTIVE, NodeOptions
 from .config_opts import build_config, config_options
 from .errors import friendly
 from .render import emit_json, err_console, plain, terminal_safe
@@ -91,7 +91,14 @@ def node_options(fn):
                      help="A budgeted run (benchmarks): decay the learning rate by a cosine to a tenth of its "
                           "peak over this many seconds of this node's training, from its first step. Default: "
                           "warm-up then constant (a volunteer run has no end)."),
-        click.option("--seed", "sample_seed", type=int, default=0, show_default=True),
+        click.option("--seed", "sample_seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+                     help="Seed of the training windows this node draws (with its data stream) and of its "
+                          "sampling noise."),
+        click.option("--data-stream", type=click.IntRange(0, MAX_STREAM), default=None,
+                     help="Which stream of training windows this node draws, with --seed. Default: one of its "
+                          "own from its peer id, so members draw different windows; a benchmark gives each "
+                          "worker its index, so a rerun draws the same windows. A resumed checkpoint continues "
+                          "its saved stream."),
         click.option("--ready-file", type=click.Path(dir_okay=False), default=None,
                      help="Write a JSON line with peer id, addresses and ports once serving (for scripts)."),
         click.option("--quiet", is_flag=True, help="No live progress line."),

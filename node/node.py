@@ -288,9 +288,18 @@ class Node:
     def new_trainer(self, b: int) -> BlockTrainer:
         """A fresh trainer of block ``b`` on this node's data, device and seed (at start, or for a move)."""
         o = self.opts
-        worker = int(hashlib.sha256(self.peer_id.encode()).hexdigest()[:8], 16)
         return BlockTrainer(self.cfg, b, self.split.train, self.split.eval, device=pick_device(o.device),
-                            seed=o.seed, worker_id=worker, upstream=self.upstream, lr_decay_s=o.lr_decay_seconds)
+                            seed=o.seed, worker_id=self.data_stream, upstream=self.upstream,
+                            lr_decay_s=o.lr_decay_seconds)
+
+    @property
+    def data_stream(self) -> int:
+        """Which stream of training windows this node draws (with ``--seed``): ``--data-stream``, else one of
+        its own from its peer id (members of a run draw different windows; a benchmark passes each worker's
+        index, so a rerun draws the same windows). A resumed checkpoint continues the stream it saved."""
+        if self.opts.data_stream is not None:
+            return self.opts.data_stream
+        return int(hashlib.sha256(self.peer_id.encode()).hexdigest()[:8], 16)
 
     def new_averager(self, trainer: BlockTrainer) -> BlockAverager:
         """The averager of ``trainer``'s block (rounds only: a block's state is downloaded over the block

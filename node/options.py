@@ -14,6 +14,8 @@ from ..blocks.config import ModelConfig
 NEW_RUN_OBJECTIVE = "pipeline"
 
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+MAX_SEED = 2**31 - 1      # --seed
+MAX_STREAM = 2**32 - 1    # --data-stream (the default, from the peer id, is in the same range)
 
 
 @dataclass
@@ -39,7 +41,8 @@ class NodeOptions:
     max_steps: int | None = None               # stop training after this many local steps (serve on)
     train: bool = True
     train_duty: float = 1.0                    # fraction of wall time the node's own training may use (0, 1]
-    seed: int = 0
+    seed: int = 0                              # --seed: with the data stream, which windows this node draws
+    data_stream: int | None = None             # --data-stream: this node's window stream (None: from its peer id)
     ttl: float = 30.0                          # --announce-ttl: DHT announcement lifetime, refreshed every ttl/3
     lr_decay_seconds: float | None = None      # --lr-decay-seconds: cosine decay over this much training (benchmarks)
     allowed_peers: frozenset[str] | None = None    # private run: only these peer ids may call / average
@@ -106,6 +109,10 @@ class NodeOptions:
         DutyCycle(self.train_duty)
         if self.lr_decay_seconds is not None and not 1.0 <= self.lr_decay_seconds <= 10_000_000.0:
             raise ValueError(f"--lr-decay-seconds must be in [1, 1e7] seconds, got {self.lr_decay_seconds}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"--seed must be in [0, {MAX_SEED}], got {self.seed}")
+        if self.data_stream is not None and not 0 <= self.data_stream <= MAX_STREAM:
+            raise ValueError(f"--data-stream must be in [0, {MAX_STREAM}], got {self.data_stream}")
         if not 6.0 <= self.ttl <= 3600.0:
             raise ValueError(f"--announce-ttl must be in [6, 3600] seconds, got {self.ttl}")
         if not 1 <= self.state_sources <= 16:

@@ -79,6 +79,9 @@ def build_status(node) -> NodeStatus:
               "http_port": node.http.port if node.http is not None else None,
               "reachability": node.reach.state,
               "train_duty": {"fraction": node.duty.fraction, "paused_s": round(node.duty.paused_s, 3)},
+              # the training windows this node draws: (seed, stream) fix them (--seed, --data-stream)
+              "data": {"seed": t.sampler.seed, "stream": t.sampler.worker_id,
+                       "windows_drawn": t.sampler.windows_drawn},
               "upstream": node.upstream.status() if node.upstream is not None else None,
               "pipeline": engine.status() if engine is not None else None,
               "rebalance": node.rebalancer.status() if node.rebalancer is not None else {"enabled": False}},

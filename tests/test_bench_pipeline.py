@@ -33,6 +33,10 @@ def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
     assert s["average_clock"] == 5
     assert r["chain_ce"] < r["chain_ce_init"] - 0.5 and r["chain_ce_init"] == pytest.approx(math.log(256), abs=0.1)
     assert len(r["chain_ce_by_replica"]) == 2                       # block 1 is held twice
+    # worker i of the layout draws the windows of --data-stream i (the node's status says so): a rerun with
+    # the same --seed trains on the same windows
+    assert sorted(w["data_stream"] for w in r["workers"]) == [0, 1, 2]
+    assert [w["data_stream"] for w in r["workers"] if w["block"] == 0] == [0]
     assert r["tokens_per_s"] > 0 and r["microbatches_completed"] > 0 and r["microbatches_lost"] >= 0
     assert r["bytes_sent_total"] > 0 and r["bytes_sent_per_worker_per_step"] > 0
     assert r["peak_rss_mib_max"] > 50 and r["stalled_s_total"] >= 0

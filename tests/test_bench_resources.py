@@ -195,6 +195,18 @@ def test_trainer_arena_pinned_mmap_threshold_shrinks_the_training_threads_arena(
     assert bad.returncode == 2 and "--threshold takes" in bad.stderr
 
 
+def test_bench_memory_timeout_stops_the_measurement_with_a_clear_error():
+    """--timeout bounds each measurement's process (a model of hundreds of millions of parameters needs more
+    than the default 900 s on a CPU): past it the child is killed and the command says which one; 0 is refused."""
+    p = subprocess.run([sys.executable, "-m", "blocktrain.cli.main", "bench", "memory", "--tiny", "--timeout", "0.2",
+                        "--json"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "memory measurement of the block took more than 0.2 s" in p.stderr, p.stderr[-2000:]
+    assert p.stdout == ""
+    bad = subprocess.run([sys.executable, "-m", "blocktrain.cli.main", "bench", "memory", "--tiny", "--timeout", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--timeout" in bad.stderr
+
+
 def test_layer_checkpoint_holds_one_layers_activations():
     """bench memory --layer-checkpoint (the engine's --pipeline-layer-checkpoint): a 3-layer pipeline block's
     step, 4 micro-batches in flight with recompute, keeps one layer's activations at a time, not three;

@@ -459,6 +459,9 @@ BAD_FLAGS = [
     ["seed", "--run-id", "r", "--device", "tpu"],
     ["seed", "--run-id", "r", "--announce-ttl", "3"],       # refreshed every 1 s: below the floor
     ["seed", "--run-id", "r", "--lr-decay-seconds", "0"],   # a decay needs a budget of at least 1 s
+    ["seed", "--run-id", "r", "--seed", "-1"],
+    ["seed", "--run-id", "r", "--data-stream", "-1"],
+    ["join", "--initial-peers", "x", "--data-stream", str(2**32)],   # past the streams a peer id gives
     ["seed", "--no-such-flag"],
     ["seed"],                                              # --run-id missing
     ["join"],                                              # --initial-peers missing
