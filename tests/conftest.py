@@ -33,6 +33,21 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def node_template():
+    """The node processes this worker starts through ``ManagedProcess`` are forked from one template
+    process that has imported torch once (``test_utils/zygote.py``; ``BT_TEST_ZYGOTE=0``: started as
+    usual). Started at the first such node, stopped after the last test."""
+    import subprocess
+
+    from blocktrain.node.swarm.launcher import ManagedProcess
+    from test_utils import zygote
+    ManagedProcess.popen = staticmethod(zygote.popen)
+    yield
+    ManagedProcess.popen = staticmethod(subprocess.Popen)
+    zygote.close()
+
+
 # BT_CPU_LOG=FILE: one JSON line per test phase with the CPU seconds it used, its own and its reaped
 # child processes' (node processes, CLI runs). Wall time on a shared 2-core machine says little about
 # what a test costs a quiet CI machine; CPU time does (used to keep the suite fast).
@@ -41,9 +56,10 @@ if os.environ.get("BT_CPU_LOG"):
     import resource
     import time
 
-    def _cpu() -> float:
+    def _cpu() -> float:   # the node template's children are its children, not this process's
+        from test_utils.zygote import children_cpu
         s, c = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime
+        return s.ru_utime + s.ru_stime + c.ru_utime + c.ru_stime + children_cpu()
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(item, nextitem):

@@ -69,10 +69,13 @@ class ManagedProcess:
     line-buffered) and only stderr goes to the log; otherwise stdout and stderr go to the log.
     """
 
+    popen = staticmethod(subprocess.Popen)   # how a child is started (the test suite forks its nodes from a
+    #                                          template process that has imported torch once: tests/test_utils/zygote.py)
+
     def __init__(self, name: str, log_file: Path):
         self.name = name
         self.log_file = Path(log_file)
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | None = None   # or what ``popen`` returns in its place
         self._terminated = False
 
     def start_process(self, cmd: list[str], *, env: dict | None = None, pipe_stdio: bool = False,
@@ -84,12 +87,12 @@ class ManagedProcess:
             else None
         with open(self.log_file, "ab" if append else "wb") as log:   # the child keeps its own descriptor
             if pipe_stdio:
-                self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
-                                             text=True, bufsize=1, start_new_session=True, env=env,
-                                             preexec_fn=preexec)
+                self.proc = self.popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                       text=True, bufsize=1, start_new_session=True, env=env,
+                                       preexec_fn=preexec)
             else:
-                self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                             start_new_session=True, env=env, preexec_fn=preexec)
+                self.proc = self.popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True, env=env, preexec_fn=preexec)
         self._terminated = False
         _started.add(self)
         return self.proc
@@ -190,11 +193,12 @@ class NodeProc(ManagedProcess):
             env={**self.thread_env(), **os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
 
     def thread_env(self) -> dict:
-        """Several nodes share this machine: one torch/OpenMP thread each (``threads``), since
-        more threads than cores only make them spin against each other. An OMP_NUM_THREADS /
-        MKL_NUM_THREADS already in the environment wins."""
+        """Several nodes share this machine: one torch/OpenMP thread each (``threads``), and as many
+        for NumPy's OpenBLAS (which otherwise starts a thread per core as it loads), since more
+        threads than cores only make them spin against each other. A count already in the
+        environment wins."""
         n = str(self.threads)
-        return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n}
+        return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n}
 
     def wait_ready(self, timeout: float = 120.0) -> dict:
         t0 = time.monotonic()

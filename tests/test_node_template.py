@@ -1,0 +1,116 @@
+"""The suite's node template (``test_utils/zygote.py``): a node process forked from it must look and behave
+like the one ``subprocess.Popen`` starts (its pid, session, command line, working directory, environment,
+exit code, output, its p2p daemon, a graceful stop), and the launcher must fall back to ``subprocess.Popen``
+where the template cannot give that."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from blocktrain.node.swarm.launcher import LocalSwarm, ManagedProcess, NodeProc
+from blocktrain.node.swarm.run import SWARM_DEFAULTS
+from test_utils import zygote
+from test_utils.configs import TEST_CORPUS
+from test_utils.wire_procs import group_alive
+
+pytestmark = [pytest.mark.network, pytest.mark.timeout(300)]
+
+CLI = [sys.executable, "-m", "blocktrain.cli.main"]
+NODE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def _env(**extra) -> dict:
+    return {**NODE_ENV, **os.environ, "PYTHONUNBUFFERED": "1", **extra}
+
+
+def _start(tmp_path, name: str, args: list[str], env: dict, use_template: bool) -> ManagedProcess:
+    m = ManagedProcess(name, tmp_path / f"{name}.log")
+    m.popen = staticmethod(zygote.popen if use_template else subprocess.Popen)
+    m.start_process([*CLI, *args], env=env)
+    return m
+
+
+def _tiny_seed(base) -> tuple[LocalSwarm, NodeProc]:
+    sw = LocalSwarm(base, run_id="template-test", overrides=SWARM_DEFAULTS, data=str(TEST_CORPUS),
+                    extra_args=["--device", "cpu", "--max-steps", "1"])
+    return sw, sw.start_seed(0)
+
+
+@pytest.mark.parametrize("use_template", [True, False], ids=["template", "popen"])
+def test_a_node_is_the_same_process_either_way(tmp_path, monkeypatch, use_template):
+    if not use_template:
+        monkeypatch.setattr(ManagedProcess, "popen", staticmethod(subprocess.Popen))
+    sw, node = _tiny_seed(tmp_path)
+    try:
+        assert isinstance(node.proc, zygote.TemplateChild) is use_template
+        pid = node.proc.pid
+        p = psutil.Process(pid)
+        shown = [a for a in p.cmdline() if a.strip()]   # the template's padding is a last argument of spaces
+        assert shown[:len(CLI) + len(node.args)] == [*CLI, *node.args] and str(node.ready_file) in shown
+        assert os.getsid(pid) == pid and os.getpgid(pid) == pid
+        assert p.cwd() == os.getcwd()
+        daemons = [c for c in p.children(recursive=True) if c.name() == "p2pd"]
+        assert daemons and all(c.ppid() == pid for c in daemons)
+        assert node.get("/v1/status")["self"]["block"] == 0
+        assert node.alive and node.wait(0.5) is None
+        assert node.stop(60) == 0   # SIGTERM: a graceful leave
+        assert not node.alive and not group_alive(pid)
+        _, still = psutil.wait_procs(daemons, timeout=10)
+        assert not still, "the node's p2p daemon outlived it"
+        with pytest.raises(psutil.NoSuchProcess):   # reaped: no zombie left behind
+            psutil.Process(pid).status()
+    finally:
+        sw.stop_all(10)
+
+
+@pytest.mark.parametrize("use_template", [True, False], ids=["template", "popen"])
+def test_exit_code_output_and_environment_are_the_childs(tmp_path, use_template):
+    bad = _start(tmp_path, "bad", ["seed", "--no-such-flag"], _env(), use_template)
+    assert bad.wait(60) == 2
+    assert "No such option '--no-such-flag'" in bad.tail() and "RuntimeWarning" not in bad.tail()
+    # the environment the launcher passed is the child's: click wraps help to COLUMNS (at most 100) at run time
+    for columns, widest in (("200", range(81, 101)), ("80", range(40, 81))):
+        helped = _start(tmp_path, "help" + columns, ["seed", "--help"], _env(COLUMNS=columns), use_template)
+        assert helped.wait(60) == 0
+        assert max(len(line) for line in helped.tail(1000).splitlines()) in widest, columns
+
+
+def test_what_the_template_cannot_give_starts_as_usual(tmp_path):
+    other_threads = _start(tmp_path, "t2", ["seed", "--help"], _env(OMP_NUM_THREADS="2"), True)
+    not_a_node = _start(tmp_path, "version", ["--version"], _env(), True)
+    other_program = ManagedProcess("py", tmp_path / "py.log")
+    other_program.popen = staticmethod(zygote.popen)
+    other_program.start_process([sys.executable, "-c", "print('hi')"], env=_env())
+    piped = ManagedProcess("piped", tmp_path / "piped.log")
+    piped.popen = staticmethod(zygote.popen)
+    piped.start_process([*CLI, "seed", "--help"], env=_env(), pipe_stdio=True)
+    for m in (other_threads, not_a_node, other_program, piped):
+        assert isinstance(m.proc, subprocess.Popen), m.name
+        if m is piped:
+            m.proc.stdout.read()
+        assert m.wait(60) == 0, m.tail()
+
+
+def test_nodes_die_with_the_template_and_their_cpu_is_counted(tmp_path):
+    before = zygote.children_cpu()
+    quick = _start(tmp_path, "quick", ["seed", "--help"], _env(), True)
+    assert isinstance(quick.proc, zygote.TemplateChild)
+    assert quick.wait(60) == 0
+    assert zygote.children_cpu() > before   # the exited child's CPU, as RUSAGE_CHILDREN would count it
+    sw, node = _tiny_seed(tmp_path / "net")
+    try:
+        assert isinstance(node.proc, zygote.TemplateChild)
+        pid = node.proc.pid
+        zygote.close()   # the next node starts a new template
+        deadline = time.monotonic() + 60
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "a node outlived its template"
+            time.sleep(0.2)
+        assert not node.alive
+    finally:
+        sw.stop_all(10)
