@@ -46,6 +46,11 @@ def node_template():
     yield
     ManagedProcess.popen = staticmethod(subprocess.Popen)
     zygote.close()
+    if os.environ.get("BT_CPU_LOG"):   # how many node starts the templates took, and why the others did not
+        import json
+        with open(os.environ["BT_CPU_LOG"], "a") as f:
+            f.write(json.dumps({"node_template": zygote.counts, "fallbacks": zygote.fallbacks,
+                                "worker": os.environ.get("PYTEST_XDIST_WORKER", "main")}) + "\n")
 
 
 # BT_CPU_LOG=FILE: one JSON line per test phase with the CPU seconds it used, its own and its reaped

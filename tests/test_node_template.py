@@ -28,6 +28,13 @@ def _env(**extra) -> dict:
     return {**NODE_ENV, **os.environ, "PYTHONUNBUFFERED": "1", **extra}
 
 
+@pytest.fixture(autouse=True)
+def fresh_templates():
+    """Each test starts from no template (what earlier tests of this worker left does not count)."""
+    zygote.close()
+    yield
+
+
 def _start(tmp_path, name: str, args: list[str], env: dict, use_template: bool) -> ManagedProcess:
     m = ManagedProcess(name, tmp_path / f"{name}.log")
     m.popen = staticmethod(zygote.popen if use_template else subprocess.Popen)
@@ -47,7 +54,7 @@ def test_a_node_is_the_same_process_either_way(tmp_path, monkeypatch, use_templa
         monkeypatch.setattr(ManagedProcess, "popen", staticmethod(subprocess.Popen))
     sw, node = _tiny_seed(tmp_path)
     try:
-        assert isinstance(node.proc, zygote.TemplateChild) is use_template
+        assert isinstance(node.proc, zygote.TemplateChild) is use_template, zygote.fallbacks
         pid = node.proc.pid
         p = psutil.Process(pid)
         shown = [a for a in p.cmdline() if a.strip()]   # the template's padding is a last argument of spaces
@@ -81,7 +88,7 @@ def test_exit_code_output_and_environment_are_the_childs(tmp_path, use_template)
 
 
 def test_what_the_template_cannot_give_starts_as_usual(tmp_path):
-    other_threads = _start(tmp_path, "t2", ["seed", "--help"], _env(OMP_NUM_THREADS="2"), True)
+    """Another program, a command that is not a node's, piped stdio: ``subprocess.Popen``."""
     not_a_node = _start(tmp_path, "version", ["--version"], _env(), True)
     other_program = ManagedProcess("py", tmp_path / "py.log")
     other_program.popen = staticmethod(zygote.popen)
@@ -89,7 +96,7 @@ def test_what_the_template_cannot_give_starts_as_usual(tmp_path):
     piped = ManagedProcess("piped", tmp_path / "piped.log")
     piped.popen = staticmethod(zygote.popen)
     piped.start_process([*CLI, "seed", "--help"], env=_env(), pipe_stdio=True)
-    for m in (other_threads, not_a_node, other_program, piped):
+    for m in (not_a_node, other_program, piped):
         assert isinstance(m.proc, subprocess.Popen), m.name
         if m is piped:
             m.proc.stdout.read()
@@ -99,12 +106,15 @@ def test_what_the_template_cannot_give_starts_as_usual(tmp_path):
 def test_nodes_die_with_the_template_and_their_cpu_is_counted(tmp_path):
     before = zygote.children_cpu()
     quick = _start(tmp_path, "quick", ["seed", "--help"], _env(), True)
-    assert isinstance(quick.proc, zygote.TemplateChild)
+    assert isinstance(quick.proc, zygote.TemplateChild), zygote.fallbacks
+    two = _start(tmp_path, "two", ["seed", "--help"], _env(OMP_NUM_THREADS="2"), True)   # read as torch loads:
+    assert isinstance(two.proc, zygote.TemplateChild) and two.proc._t is not quick.proc._t   # its own template
+    assert two.wait(60) == 0
     assert quick.wait(60) == 0
     assert zygote.children_cpu() > before   # the exited child's CPU, as RUSAGE_CHILDREN would count it
     sw, node = _tiny_seed(tmp_path / "net")
     try:
-        assert isinstance(node.proc, zygote.TemplateChild)
+        assert isinstance(node.proc, zygote.TemplateChild), zygote.fallbacks
         pid = node.proc.pid
         zygote.close()   # the next node starts a new template
         deadline = time.monotonic() + 60

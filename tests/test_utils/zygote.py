@@ -1,9 +1,9 @@
 """A template process that forks the suite's node processes, so each does not import torch again.
 
 Starting a node costs ~4 CPU-seconds, most of it importing torch and our CLI (BENCHMARKS "Suite time"),
-and the suite starts over a hundred. A test worker starts one template (:func:`popen`, installed as
+and the suite starts over a hundred. A test worker starts a template (:func:`popen`, installed as
 ``ManagedProcess.popen`` by ``conftest.py``): it imports what every node process imports before it
-parses its command line (our CLI and torch, the way a node imports it), then waits on a unix socket.
+parses its command line (our CLI, torch the way a node imports it, and the node), then waits on a unix socket.
 Each ``python -m blocktrain.cli.main ...`` a :class:`~blocktrain.node.swarm.launcher.ManagedProcess`
 would start is instead forked from it; the child does what ``python -m`` would from there: its own
 session (process group), stdin from /dev/null, stdout and stderr on the log the launcher opened (its
@@ -15,11 +15,15 @@ What stays as with ``subprocess.Popen``: the pid is the node's (signals, ``killp
 argument of spaces makes room for: it shows as a last argument of spaces), the exit code is the node's
 (the template reaps its children and reports it), and the node dies with the test worker (the template
 has the worker's ``PR_SET_PDEATHSIG``, each child the template's).
-What the template cannot give, and where it hands the start to ``subprocess.Popen`` instead: another
-program (``entry`` wrappers: ``ip netns exec``, ``faketime``), piped stdio, an environment that differs in
-what is read while torch is imported (thread counts, allocator and loader settings, ``BT_EAGER_IMPORTS``),
-and a start from any thread but the main one (the template must die with the worker, and a parent-death
-signal armed from another thread fires when that thread ends). ``BT_TEST_ZYGOTE=0`` turns it off.
+A template is started with the first such node's environment; a node whose environment differs in what is
+read while torch and the node are imported (thread counts, allocator and loader settings,
+``BT_EAGER_IMPORTS``, hivemind's settings) gets a template of its own, up to ``MAX_TEMPLATES`` per worker.
+What a template cannot give, and where the launcher falls back to ``subprocess.Popen``: another program
+(``entry`` wrappers: ``ip netns exec``, ``faketime``), a command that is not a node's (it would carry
+torch it never imports), piped stdio, an environment no template could start with single-threaded, and a
+start from any thread but the main one (the template must die with the worker, and a parent-death signal
+armed from another thread fires when that thread ends); ``fallbacks`` keeps the last reasons.
+``BT_TEST_ZYGOTE=0`` turns it off.
 
 The CPU the children use is the template's ``RUSAGE_CHILDREN``, not the worker's: :func:`children_cpu`
 asks the template for it (``conftest.py`` adds it to ``BT_CPU_LOG``).
@@ -44,8 +48,6 @@ CLI = ["-m", "blocktrain.cli.main"]
 IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_", "TORCH", "PYTORCH", "LD_", "MALLOC_", "GLIBC_",
                    "PYTHON", "BT_EAGER_IMPORTS", "BT_HIVEMIND_IN", "HIVEMIND", "CUDA", "NVIDIA")
 PRELOAD = ("blocktrain.cli.node_cmds", "blocktrain.node.node")   # what a node command imports before it runs
-TEMPLATE_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",   # NodeProc's
-               "PYTHONUNBUFFERED": "1"}   # (and one OpenBLAS thread keeps the template single-threaded)
 
 
 def _import_time_env(env: dict) -> dict:
@@ -191,11 +193,12 @@ def serve(path: str) -> None:
 
 # -- the test worker's side ------------------------------------------------------------------------
 class _Template:
-    def __init__(self):
+    def __init__(self, env: dict):
+        """A template for nodes started with ``env`` (what is read as torch and the node are imported)."""
         from blocktrain.p2p.process import parent_death_preexec
         self.dir = tempfile.mkdtemp(prefix="bt-zygote-")
         self.path = os.path.join(self.dir, "sock")
-        env = {**TEMPLATE_ENV, **os.environ, "PYTHONUNBUFFERED": "1"}   # as NodeProc builds a node's
+        env = dict(env)
         with open(os.path.join(self.dir, "stderr"), "wb") as err:   # not a terminal, as a node log
             self.proc = subprocess.Popen([sys.executable, __file__, self.path, " " * CMDLINE_ROOM],
                                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err, env=env,
@@ -209,6 +212,14 @@ class _Template:
         ready = json.loads(line[len(b"ready "):])
         self.env = ready["env"]                # the import-time environment its imports saw and left
         self.import_env = ready["import_env"]  # what they set (a child gets it where its own does not say)
+
+    def children_cpu(self) -> float:
+        if self.proc.poll() is not None:
+            return 0.0
+        try:
+            return self.ask({"op": "cpu"})["children_cpu"]
+        except OSError:
+            return 0.0
 
     def matches(self, env: dict) -> bool:
         """Whether a process started with ``env`` would have imported what this template did."""
@@ -279,53 +290,84 @@ class TemplateChild:
         self.send_signal(signal.SIGKILL)
 
 
-_template: _Template | None = None
+MAX_TEMPLATES = 3   # one per import-time environment the worker's nodes ask for (tests that set one start more)
+_templates: list[_Template] = []
+_closed_cpu = 0.0      # what closed templates' children used
+_refused: list[dict] = []   # import-time environments a template could not start with (e.g. OpenBLAS threads)
+fallbacks: list[str] = []   # why the last node commands started with subprocess.Popen (the tests show it on failure)
+counts = {"forked": 0, "fallbacks": 0, "templates": 0}   # node commands forked or not, templates started
 
 
-def _usable(cmd, kw) -> bool:
+def _fallback(cmd, why: str) -> bool:
+    counts["fallbacks"] += 1
+    fallbacks.append(f"{' '.join(map(str, cmd[3:5]))}: {why}")
+    del fallbacks[:-20]
+    return False
+
+
+def _template_for(cmd, kw) -> _Template | None:
     from blocktrain.cli.main import NODE_COMMANDS   # the commands that import what the template has
-    if os.environ.get("BT_TEST_ZYGOTE") == "0" or list(cmd[:3]) != [sys.executable, *CLI] or len(cmd) < 4 \
-            or cmd[3] not in NODE_COMMANDS:
-        return False
+    if list(cmd[:3]) != [sys.executable, *CLI] or len(cmd) < 4 or cmd[3] not in NODE_COMMANDS:
+        return None   # another program, or a command that imports less than a node (not worth noting)
+    if os.environ.get("BT_TEST_ZYGOTE") == "0":
+        return _fallback(cmd, "BT_TEST_ZYGOTE=0") or None
     if threading.current_thread() is not threading.main_thread():
-        return False
-    if kw.get("stdin") is not subprocess.DEVNULL or kw.get("stderr") is not subprocess.STDOUT:
-        return False
-    if not kw.get("start_new_session") or kw.get("cwd") or not hasattr(kw.get("stdout"), "fileno"):
-        return False
+        return _fallback(cmd, f"started from thread {threading.current_thread().name}") or None
+    if kw.get("stdin") is not subprocess.DEVNULL or kw.get("stderr") is not subprocess.STDOUT \
+            or not kw.get("start_new_session") or kw.get("cwd") or not hasattr(kw.get("stdout"), "fileno"):
+        return _fallback(cmd, "piped stdio, a cwd or no session of its own") or None
+    if sum(len(a.encode()) + 1 for a in cmd) + 1 >= CMDLINE_ROOM:
+        return _fallback(cmd, "a command line longer than the template can show") or None
     env = kw.get("env") or os.environ
-    global _template
-    if _template is None:
-        _template = _Template()
-    shown = sum(len(a.encode()) + 1 for a in cmd) + 1 + len(__file__) + len(_template.path) + 8
-    return shown < CMDLINE_ROOM and _template.matches(env)
+    for t in [t for t in _templates if t.proc.poll() is not None]:
+        _templates.remove(t)
+        t.close()
+    for t in _templates:
+        if t.matches(env):
+            return t
+    if len(_templates) >= MAX_TEMPLATES:
+        return _fallback(cmd, f"import-time environment {_import_time_env(env)} unlike the {MAX_TEMPLATES} "
+                              f"templates' ({[t.env for t in _templates]})") or None
+    if _import_time_env(env) in _refused:
+        return _fallback(cmd, "no template starts with this import-time environment") or None
+    try:
+        t = _Template(env)
+    except RuntimeError as e:   # it would not be single-threaded, so could not fork (OpenBLAS threads, ...)
+        _refused.append(_import_time_env(env))
+        return _fallback(cmd, str(e)[:300]) or None
+    _templates.append(t)
+    counts["templates"] += 1
+    if not t.matches(env):
+        return _fallback(cmd, f"a template started with its environment saw another: {t.env}") or None
+    return t
 
 
 def popen(cmd, **kw):
-    """``subprocess.Popen(cmd, **kw)``, forked from the template where it can be (see the module docstring)."""
-    if not _usable(cmd, kw):
+    """``subprocess.Popen(cmd, **kw)``, forked from a template where it can be (see the module docstring)."""
+    t = _template_for(cmd, kw)
+    if t is None:
         return subprocess.Popen(cmd, **kw)
     env = dict(kw.get("env") or os.environ)
-    pid = _template.ask({"op": "spawn", "args": list(cmd[3:]), "env": env, "cwd": os.getcwd()},
-                        [kw["stdout"].fileno()])["pid"]
-    return TemplateChild(_template, list(cmd), pid)
+    pid = t.ask({"op": "spawn", "args": list(cmd[3:]), "env": env, "cwd": os.getcwd()}, [kw["stdout"].fileno()])["pid"]
+    counts["forked"] += 1
+    return TemplateChild(t, list(cmd), pid)
 
 
 def children_cpu() -> float:
-    """CPU seconds of the template's children that it has reaped (0 without a template)."""
-    if _template is None or _template.proc.poll() is not None:
-        return 0.0
-    try:
-        return _template.ask({"op": "cpu"})["children_cpu"]
-    except OSError:
-        return 0.0
+    """CPU seconds of the templates' children that they have reaped (0 without a template)."""
+    total = _closed_cpu
+    for t in _templates:
+        total += t.children_cpu()
+    return total
 
 
 def close() -> None:
-    global _template
-    if _template is not None:
-        _template.close()
-        _template = None
+    """Stop every template (the children still running get their parent-death signal)."""
+    global _closed_cpu
+    while _templates:
+        t = _templates.pop()
+        _closed_cpu += t.children_cpu()
+        t.close()
 
 
 if __name__ == "__main__":
