@@ -73,35 +73,32 @@ def _recv(conn: socket.socket) -> tuple[dict, list[int]]:
 CMDLINE_ROOM = 16384   # bytes of command line a child can show: the template starts with a padding argument this long
 
 
-def _show_cmdline(argv: list[str]) -> bool:
+def _show_cmdline(argv: list[str]) -> None:
     """Write ``argv`` over this process's own argument area (``/proc/PID/cmdline`` reads it; tests find a
-    node's processes by its command line); a last argument of spaces fills the rest. False if it does not fit."""
+    node's processes by its command line); a last argument of spaces fills the rest. Left as it was if
+    ``argv`` does not fit (the launcher side starts such a command with ``subprocess.Popen``)."""
     import ctypes
     fields = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
     start, end = int(fields[45]), int(fields[46])   # arg_start and arg_end: fields 48 and 49 of proc(5)
     data = b"\0".join(a.encode() for a in argv) + b"\0"
     if len(data) + 1 > end - start:
-        return False
+        return
     data += b" " * (end - start - len(data) - 1) + b"\0"
     ctypes.memmove(start, data, len(data))
-    return True
 
 
-def _become_node(req: dict, fds: list[int], template_pid: int, started: int, import_env: dict) -> None:
+def _become_node(req: dict, fds: list[int], die_with_template, started: int, import_env: dict) -> None:
     """In the forked child: become ``python -m blocktrain.cli.main ARGS`` (does not return). Once it has its
     own session and command line it closes ``started``, and only then does the template answer with its pid.
+    ``die_with_template``: the launcher's parent-death hook, armed in the template before the fork.
     ``import_env``: what the template's imports put in its environment (as they would have in the child's)."""
-    import ctypes
     import runpy
 
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.setsid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM, 0, 0, 0)   # PR_SET_PDEATHSIG: die with the template
-    if os.getppid() != template_pid:
-        os._exit(1)
+    die_with_template()   # SIGTERM when the template dies; exits at once if it already has
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(fds[0], 1)
@@ -113,7 +110,7 @@ def _become_node(req: dict, fds: list[int], template_pid: int, started: int, imp
     os.environ.update(req["env"])
     for k, v in import_env.items():   # set with setdefault by our imports (p2p/inprocess.py)
         os.environ.setdefault(k, v)
-    _show_cmdline([sys.executable, *CLI, *req["args"]])   # fits: popen checked
+    _show_cmdline([sys.executable, *CLI, *req["args"]])
     os.close(started)
     sys.argv = ["-m", *req["args"]]   # as ``python -m``: run_module puts the module's file first
     sys.modules.pop("blocktrain.cli.main", None)   # as in a fresh process, it runs as __main__ only
@@ -128,6 +125,8 @@ def _become_node(req: dict, fds: list[int], template_pid: int, started: int, imp
 
 def serve(path: str) -> None:
     import importlib
+
+    from blocktrain.p2p.process import parent_death_preexec
     start_env = dict(os.environ)
     from blocktrain.cli.main import NODE_COMMANDS  # noqa: F401  (the CLI, as ``python -m`` imports it)
     from blocktrain.node.memory import import_torch_lean
@@ -137,7 +136,7 @@ def serve(path: str) -> None:
     import_env = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
         raise RuntimeError("the template must stay single-threaded to fork")
-    me = os.getpid()
+    die_with_template = parent_death_preexec(signal.SIGTERM) or (lambda: None)   # resolved here, not in a child
     exited: dict[int, int] = {}
 
     def reap(*_):
@@ -172,7 +171,7 @@ def serve(path: str) -> None:
                     srv.close()
                     conn.close()
                     os.close(wait_r)
-                    _become_node(req, fds, me, started, import_env)
+                    _become_node(req, fds, die_with_template, started, import_env)
                 for fd in (started, *fds):
                     os.close(fd)
                 os.read(wait_r, 1)   # EOF once the child closed it (or died)
@@ -292,17 +291,15 @@ class TemplateChild:
 
 MAX_TEMPLATES = 3   # one per import-time environment the worker's nodes ask for (tests that set one start more)
 _templates: list[_Template] = []
-_closed_cpu = 0.0      # what closed templates' children used
 _refused: list[dict] = []   # import-time environments a template could not start with (e.g. OpenBLAS threads)
 fallbacks: list[str] = []   # why the last node commands started with subprocess.Popen (the tests show it on failure)
 counts = {"forked": 0, "fallbacks": 0, "templates": 0}   # node commands forked or not, templates started
 
 
-def _fallback(cmd, why: str) -> bool:
+def _fallback(cmd, why: str) -> None:
     counts["fallbacks"] += 1
     fallbacks.append(f"{' '.join(map(str, cmd[3:5]))}: {why}")
     del fallbacks[:-20]
-    return False
 
 
 def _template_for(cmd, kw) -> _Template | None:
@@ -310,14 +307,14 @@ def _template_for(cmd, kw) -> _Template | None:
     if list(cmd[:3]) != [sys.executable, *CLI] or len(cmd) < 4 or cmd[3] not in NODE_COMMANDS:
         return None   # another program, or a command that imports less than a node (not worth noting)
     if os.environ.get("BT_TEST_ZYGOTE") == "0":
-        return _fallback(cmd, "BT_TEST_ZYGOTE=0") or None
+        return _fallback(cmd, "BT_TEST_ZYGOTE=0")
     if threading.current_thread() is not threading.main_thread():
-        return _fallback(cmd, f"started from thread {threading.current_thread().name}") or None
+        return _fallback(cmd, f"started from thread {threading.current_thread().name}")
     if kw.get("stdin") is not subprocess.DEVNULL or kw.get("stderr") is not subprocess.STDOUT \
             or not kw.get("start_new_session") or kw.get("cwd") or not hasattr(kw.get("stdout"), "fileno"):
-        return _fallback(cmd, "piped stdio, a cwd or no session of its own") or None
+        return _fallback(cmd, "piped stdio, a cwd or no session of its own")
     if sum(len(a.encode()) + 1 for a in cmd) + 1 >= CMDLINE_ROOM:
-        return _fallback(cmd, "a command line longer than the template can show") or None
+        return _fallback(cmd, "a command line longer than the template can show")
     env = kw.get("env") or os.environ
     for t in [t for t in _templates if t.proc.poll() is not None]:
         _templates.remove(t)
@@ -327,18 +324,18 @@ def _template_for(cmd, kw) -> _Template | None:
             return t
     if len(_templates) >= MAX_TEMPLATES:
         return _fallback(cmd, f"import-time environment {_import_time_env(env)} unlike the {MAX_TEMPLATES} "
-                              f"templates' ({[t.env for t in _templates]})") or None
+                              f"templates' ({[t.env for t in _templates]})")
     if _import_time_env(env) in _refused:
-        return _fallback(cmd, "no template starts with this import-time environment") or None
+        return _fallback(cmd, "no template starts with this import-time environment")
     try:
         t = _Template(env)
     except RuntimeError as e:   # it would not be single-threaded, so could not fork (OpenBLAS threads, ...)
         _refused.append(_import_time_env(env))
-        return _fallback(cmd, str(e)[:300]) or None
+        return _fallback(cmd, str(e)[:300])
     _templates.append(t)
     counts["templates"] += 1
     if not t.matches(env):
-        return _fallback(cmd, f"a template started with its environment saw another: {t.env}") or None
+        return _fallback(cmd, f"a template started with its environment saw another: {t.env}")
     return t
 
 
@@ -355,19 +352,13 @@ def popen(cmd, **kw):
 
 def children_cpu() -> float:
     """CPU seconds of the templates' children that they have reaped (0 without a template)."""
-    total = _closed_cpu
-    for t in _templates:
-        total += t.children_cpu()
-    return total
+    return sum(t.children_cpu() for t in _templates)   # a closed one's move to this process's RUSAGE_CHILDREN
 
 
 def close() -> None:
     """Stop every template (the children still running get their parent-death signal)."""
-    global _closed_cpu
     while _templates:
-        t = _templates.pop()
-        _closed_cpu += t.children_cpu()
-        t.close()
+        _templates.pop().close()
 
 
 if __name__ == "__main__":
