@@ -35,9 +35,10 @@ def one_thread():
 
 @pytest.fixture(scope="session", autouse=True)
 def node_template():
-    """The node processes this worker starts through ``ManagedProcess`` are forked from one template
-    process that has imported torch once (``test_utils/zygote.py``; ``BT_TEST_ZYGOTE=0``: started as
-    usual). Started at the first such node, stopped after the last test."""
+    """The node processes this worker starts through ``ManagedProcess`` are forked from a template
+    process (one per import-time environment) that has imported torch and the node once
+    (``test_utils/zygote.py``; ``BT_TEST_ZYGOTE=0``: started as usual). Started at the first such node,
+    stopped after the last test."""
     import subprocess
 
     from blocktrain.node.swarm.launcher import ManagedProcess
