@@ -6,8 +6,6 @@ that coarser codecs move the weights further); the issue's quality goal is a ben
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,6 +16,7 @@ from blocktrain.p2p.averager import make_compression, patch_8bit_decoder  # noqa
 from blocktrain.p2p.offline_wire import butterfly_average, codec_round_trip  # noqa: E402
 
 from test_utils.configs import TEST_CORPUS, TEST_CORPUS_PROTOCOL  # noqa: E402
+from test_utils.zygote import run_cli  # noqa: E402
 
 
 def _replicas(g, seed=0):
@@ -67,9 +66,7 @@ def test_8bit_codec_moves_weights_further_than_fp16():
 
 
 def test_bench_compression_tiny_json():
-    p = subprocess.run([sys.executable, "-m", "blocktrain.cli.main", "bench", "compression", "--tiny", "--json",
-                        "--data", str(TEST_CORPUS)],
-                       capture_output=True, text=True, timeout=300)
+    p = run_cli(["bench", "compression", "--tiny", "--json", "--data", str(TEST_CORPUS)], timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stdout.strip().splitlines()
     assert len(lines) == 1
@@ -82,6 +79,5 @@ def test_bench_compression_tiny_json():
     for run in r["runs"].values():
         assert 0 < run["chain_ce"] < 10
     assert "fp16_ce_within_0.01" in r["goals"]
-    p = subprocess.run([sys.executable, "-m", "blocktrain.cli.main", "bench", "compression", "--tiny",
-                        "--compression", "bogus"], capture_output=True, text=True, timeout=60)
+    p = run_cli(["bench", "compression", "--tiny", "--compression", "bogus"], timeout=60)
     assert p.returncode == 2 and "bogus" in p.stderr

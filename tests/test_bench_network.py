@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from test_utils.configs import TEST_CORPUS, TEST_CORPUS_PROTOCOL
+from test_utils.zygote import run_cli
 
 pytestmark = [pytest.mark.network, pytest.mark.slow]
 
 
 def bt_json(*args, timeout=420) -> dict:
-    p = subprocess.run([sys.executable, "-m", "blocktrain.cli.main", *args], capture_output=True, text=True,
-                       timeout=timeout)
+    p = run_cli(list(args), timeout=timeout)
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stdout.strip().splitlines()
     assert len(lines) == 1, f"--json must print exactly one line on stdout, got {p.stdout[-2000:]!r}"

@@ -9,23 +9,20 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
+import os
 
 import pytest
 
 from test_utils.configs import TEST_CORPUS
+from test_utils.zygote import run_cli
 
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "blocktrain.cli.main", "bench", "pipeline", "--tiny", "--objective", "pipeline",
-         "--inflight", "3", "--weight-stash", "--curve-every", "3", "--average-every", "3", "--average-clock", "5",
-         "--data", str(TEST_CORPUS),
-         "--workdir", str(tmp_path / "w"), "--json"],
-        capture_output=True, text=True, timeout=540, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+    out = _run(["--tiny", "--objective", "pipeline", "--inflight", "3", "--weight-stash", "--curve-every", "3",
+                "--average-every", "3", "--average-clock", "5", "--data", str(TEST_CORPUS),
+                "--workdir", str(tmp_path / "w"), "--json"])
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout)
     r, s = res["runs"]["pipeline"], res["settings"]
@@ -88,9 +85,7 @@ def test_bench_pipeline_tiny_reports_every_figure(tmp_path):
 
 
 def _run(args, timeout=540):
-    return subprocess.run([sys.executable, "-m", "blocktrain.cli.main", "bench", "pipeline", *args],
-                          capture_output=True, text=True, timeout=timeout,
-                          env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+    return run_cli(["bench", "pipeline", *args], timeout=timeout, env={"OMP_NUM_THREADS": "1", **os.environ})
 
 
 @pytest.mark.timeout(300)

@@ -6,21 +6,19 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
 from blocktrain.bench.pipeline_lr import arm_ce, choose
 from test_utils.configs import TEST_CORPUS
+from test_utils.zygote import run_cli
 
 pytestmark = [pytest.mark.network, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _run(args, timeout=540):
-    return subprocess.run([sys.executable, "-m", "blocktrain.cli.main", "bench", "pipeline", *args],
-                          capture_output=True, text=True, timeout=timeout,
-                          env={"OMP_NUM_THREADS": "1", **__import__("os").environ, "COLUMNS": "1000"})   # no wrapping
+    return run_cli(["bench", "pipeline", *args], timeout=timeout,
+                   env={"OMP_NUM_THREADS": "1", **__import__("os").environ, "COLUMNS": "1000"})   # no wrapping
 
 
 def test_lr_sweep_chooses_each_arm_on_carved_books_then_runs_at_those_rates(tmp_path):

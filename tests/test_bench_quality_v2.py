@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 from click.testing import CliRunner
@@ -16,12 +14,11 @@ from click.testing import CliRunner
 from blocktrain.cli.main import cli
 
 from test_utils.configs import TEST_CORPUS
+from test_utils.zygote import run_cli
 
 
 def bt(*args, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "blocktrain.cli.main", "bench", "quality", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return run_cli(["bench", "quality", *args], timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def run_json(*args):

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,14 +12,14 @@ from blocktrain.blocks.budget import Budget, BudgetError
 from blocktrain.blocks.local_run import LocalRun
 
 from test_utils.configs import TEST_CORPUS, TEST_CORPUS_PROTOCOL, tiny_config
+from test_utils.zygote import run_cli
 
 TINY = ["--set", "d_model=32", "--set", "n_heads=2", "--set", "layers_per_block=1", "--set", "n_blocks=2",
         "--set", "seq_len=32", "--set", "target_dim=16", "--set", "batch_size=4"]
 
 
 def bt(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "blocktrain.cli.main", *args], capture_output=True,
-                          text=True, timeout=timeout)
+    return run_cli(list(args), timeout=timeout)
 
 
 def test_budget_parsing():

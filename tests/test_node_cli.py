@@ -5,7 +5,6 @@ import json
 import math
 import shlex
 import subprocess
-import sys
 
 import pytest
 
@@ -13,13 +12,13 @@ from blocktrain.node.swarm.launcher import LocalSwarm, NodeProc
 from blocktrain.node.swarm.run import SWARM_DEFAULTS, plan_blocks
 
 from test_utils.configs import TEST_CORPUS, TEST_CORPUS_PROTOCOL
+from test_utils.zygote import run_cli
 
 TINY_SETS = [x for kv in SWARM_DEFAULTS + ["n_blocks=2"] for x in ("--set", kv)]
 
 
 def bt(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "blocktrain.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
+    return run_cli(list(args), timeout=timeout)
 
 
 def one_line_error(r, *needles):

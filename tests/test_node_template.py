@@ -4,6 +4,7 @@ exit code, output, its p2p daemon, a graceful stop), and the launcher must fall 
 where the template cannot give that."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -124,3 +125,42 @@ def test_nodes_die_with_the_template_and_their_cpu_is_counted(tmp_path):
         assert not node.alive
     finally:
         sw.stop_all(10)
+
+
+def test_a_cli_run_gives_what_subprocess_run_gives():
+    """``run_cli`` (the tests' CLI runs, forked from a template) against ``subprocess.run`` of the same
+    command and environment: the same exit code, stdout and stderr."""
+    env = {**NODE_ENV, **os.environ, "COLUMNS": "120"}
+    for args in (["seed", "--no-such-flag"], ["--help"], ["bench", "swarm", "--help"], ["export", "--json"]):
+        before = zygote.counts.get("cli_forked", 0)
+        forked = zygote.run_cli(args, timeout=120, env=env)
+        assert zygote.counts.get("cli_forked", 0) == before + 1, zygote.fallbacks
+        plain = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                               env={**env, "PYTHONUNBUFFERED": "1"})
+        assert (forked.returncode, forked.stdout, forked.stderr) == (plain.returncode, plain.stdout, plain.stderr)
+        assert forked.args == plain.args
+
+
+def test_a_cli_runs_nodes_fork_from_its_copy_and_stop_with_it_past_its_timeout(tmp_path):
+    """A ``swarm`` run killed at its timeout raises ``TimeoutExpired``; the nodes it started (forked from its
+    own copy of the template: the CPU log's line says so) stop with it."""
+    log, workdir = tmp_path / "cpu.jsonl", tmp_path / "sw"
+    with pytest.raises(subprocess.TimeoutExpired):
+        zygote.run_cli(["swarm", "--nodes", "2", "--budget", "300s", "--data", str(TEST_CORPUS), "--set", "n_blocks=2",
+                        "--workdir", str(workdir), "--json"], timeout=25, env={**os.environ, "BT_CPU_LOG": str(log)})
+    deadline = time.monotonic() + 60
+    while left := [p for p in psutil.process_iter(["cmdline", "status"])
+                   if str(workdir) in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE]:
+        assert time.monotonic() < deadline, f"left running: {[p.pid for p in left]}"
+        time.sleep(0.2)
+    ready = list(workdir.rglob("ready.json"))
+    assert ready, "no node of the swarm came up within the timeout (nothing was checked)"
+
+
+def test_a_cli_runs_nodes_are_forked_from_its_copy(tmp_path):
+    log = tmp_path / "cpu.jsonl"
+    r = zygote.run_cli(["swarm", "--nodes", "2", "--budget", "3s", "--data", str(TEST_CORPUS), "--set", "n_blocks=2",
+                        "--workdir", str(tmp_path / "sw"), "--json"], timeout=300, env={**os.environ, "BT_CPU_LOG": str(log)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    started = [x["cli_template"] for x in map(json.loads, log.read_text().splitlines()) if "cli_template" in x]
+    assert started == [{"forked": len(json.loads(r.stdout)["nodes"]), "fallbacks": 0, "templates": 1}], started

@@ -26,6 +26,7 @@ from blocktrain.node.swarm.launcher import LocalSwarm
 from test_utils.configs import TEST_CORPUS
 from test_utils.reliability import TINY, report, wait_for
 from test_utils.wire_procs import NodeProc, stop_all
+from test_utils.zygote import run_cli
 
 pytestmark = [pytest.mark.network, pytest.mark.reliability, pytest.mark.slow]
 
@@ -55,8 +56,7 @@ def net(tmp_path_factory):
 
 
 def _bt(*args, timeout=150) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "blocktrain.cli.main", *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return run_cli(list(args), timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def _join(net, name: str, *args: str) -> tuple[subprocess.CompletedProcess | None, dict | None]:

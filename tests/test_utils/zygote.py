@@ -102,7 +102,7 @@ def _become_node(req: dict, fds: list[int], die_with_template, started: int, imp
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(fds[0], 1)
-    os.dup2(fds[0], 2)
+    os.dup2(fds[-1], 2)   # a node: both on its log; a CLI run (:func:`run_cli`): stdout and stderr pipes
     for fd in (devnull, *fds):
         os.close(fd)
     os.chdir(req["cwd"])
@@ -110,6 +110,9 @@ def _become_node(req: dict, fds: list[int], die_with_template, started: int, imp
     os.environ.update(req["env"])
     for k, v in import_env.items():   # set with setdefault by our imports (p2p/inprocess.py)
         os.environ.setdefault(k, v)
+    from blocktrain.cli.main import NODE_COMMANDS
+    if req.get("cli") and req["args"][:1] and req["args"][0] not in NODE_COMMANDS:
+        _template_of_this_process(import_env, started)   # the nodes ``swarm`` and the benches start fork from a copy of it
     _show_cmdline([sys.executable, *CLI, *req["args"]])
     os.close(started)
     sys.argv = ["-m", *req["args"]]   # as ``python -m``: run_module puts the module's file first
@@ -126,7 +129,6 @@ def _become_node(req: dict, fds: list[int], die_with_template, started: int, imp
 def serve(path: str) -> None:
     import importlib
 
-    from blocktrain.p2p.process import parent_death_preexec
     start_env = dict(os.environ)
     from blocktrain.cli.main import NODE_COMMANDS  # noqa: F401  (the CLI, as ``python -m`` imports it)
     from blocktrain.node.memory import import_torch_lean
@@ -136,6 +138,16 @@ def serve(path: str) -> None:
     import_env = {k: v for k, v in os.environ.items() if start_env.get(k) != v}
     if threading.active_count() != 1 or len(os.listdir("/proc/self/task")) != 1:
         raise RuntimeError("the template must stay single-threaded to fork")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(64)
+    print("ready " + json.dumps({"env": _import_time_env(dict(os.environ)), "import_env": import_env}), flush=True)
+    _serve_on(srv, import_env)
+
+
+def _serve_on(srv: socket.socket, import_env: dict) -> None:
+    """Answer the requests that come to the listening socket ``srv``: fork a child, its exit code, CPU."""
+    from blocktrain.p2p.process import parent_death_preexec
     die_with_template = parent_death_preexec(signal.SIGTERM) or (lambda: None)   # resolved here, not in a child
     exited: dict[int, int] = {}
 
@@ -150,10 +162,6 @@ def serve(path: str) -> None:
             exited[pid] = os.waitstatus_to_exitcode(status)
 
     signal.signal(signal.SIGCHLD, reap)
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(64)
-    print("ready " + json.dumps({"env": _import_time_env(dict(os.environ)), "import_env": import_env}), flush=True)
     while True:
         conn, _ = srv.accept()
         with conn:
@@ -248,8 +256,91 @@ class _Template:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self.proc.stdout.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class _ForkedProc:
+    """The part of ``subprocess.Popen`` :meth:`_Template.close` uses, for a template this process forked."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode, self.stdout = pid, None, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:
+                self.returncode = -signal.SIGTERM
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(["template"], timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def terminate(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGTERM)
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _template_of_this_process(import_env: dict, started: int) -> None:
+    """In a CLI run forked from a template, before it runs: fork a template from this process while it is
+    still the template's pristine copy, and start the nodes the command starts through the launcher
+    (``bt-node swarm``, the benches) from it, as the test worker does. The copy dies with this process (so
+    its children, the nodes, get their parent-death signal as they would from ``subprocess.Popen``); it is
+    stopped and reaped at exit (its CPU and its children's then count as this process's). ``started``: the
+    descriptor whose closing tells the test worker's template this process has started (the copy closes it)."""
+    import atexit
+
+    from blocktrain.node.swarm.launcher import ManagedProcess
+    from blocktrain.p2p.process import parent_death_preexec
+    t = _Template.__new__(_Template)
+    t.dir = tempfile.mkdtemp(prefix="bt-zygote-")
+    t.path = os.path.join(t.dir, "sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(t.path)
+    srv.listen(64)
+    die_with_cli = parent_death_preexec(signal.SIGTERM) or (lambda: None)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            die_with_cli()
+            os.close(started)
+            devnull = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):   # not the CLI run's pipes: the test reads them to their end
+                os.dup2(devnull, fd)
+            os.close(devnull)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            _serve_on(srv, import_env)
+        finally:
+            os._exit(1)
+    srv.close()
+    t.proc = _ForkedProc(pid)
+    t.env, t.import_env = _import_time_env(dict(os.environ)), import_env
+    _templates.append(t)
+    counts["templates"] += 1
+    ManagedProcess.popen = staticmethod(popen)
+    atexit.register(_close_and_log)
+
+
+def _close_and_log() -> None:
+    """At a CLI run's exit: stop its template; with ``BT_CPU_LOG``, a line of how its nodes started."""
+    close()
+    if os.environ.get("BT_CPU_LOG") and (counts["forked"] or counts["fallbacks"]):
+        with open(os.environ["BT_CPU_LOG"], "a") as f:
+            f.write(json.dumps({"cli_template": counts, "fallbacks": fallbacks, "command": sys.argv[1:3]}) + "\n")
 
 
 class TemplateChild:
@@ -313,9 +404,14 @@ def _template_for(cmd, kw) -> _Template | None:
     if kw.get("stdin") is not subprocess.DEVNULL or kw.get("stderr") is not subprocess.STDOUT \
             or not kw.get("start_new_session") or kw.get("cwd") or not hasattr(kw.get("stdout"), "fileno"):
         return _fallback(cmd, "piped stdio, a cwd or no session of its own")
+    return _template_with(cmd, kw.get("env") or os.environ)
+
+
+def _template_with(cmd, env) -> _Template | None:
+    """A template for ``cmd`` started with ``env``: one whose import-time environment is ``env``'s, started
+    if need be; None where there is none (the reason noted)."""
     if sum(len(a.encode()) + 1 for a in cmd) + 1 >= CMDLINE_ROOM:
         return _fallback(cmd, "a command line longer than the template can show")
-    env = kw.get("env") or os.environ
     for t in [t for t in _templates if t.proc.poll() is not None]:
         _templates.remove(t)
         t.close()
@@ -348,6 +444,86 @@ def popen(cmd, **kw):
     pid = t.ask({"op": "spawn", "args": list(cmd[3:]), "env": env, "cwd": os.getcwd()}, [kw["stdout"].fileno()])["pid"]
     counts["forked"] += 1
     return TemplateChild(t, list(cmd), pid)
+
+
+THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def run_cli(args: list[str], *, timeout: float, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, -m, blocktrain.cli.main, *args], capture_output=True, text=True,
+    stdin=DEVNULL, timeout=timeout, env=...)``, forked from a template where it can be: the tests' way to run
+    a CLI command that imports torch anyway (``train-local``, ``swarm``, the benches; not the lean ones, whose
+    imports are what some tests check). The nodes such a command starts through the launcher fork from a copy
+    of it (:func:`_template_of_this_process`). Its environment is ``env`` (or this process's) with one thread
+    per library where it names none and ``PYTHONUNBUFFERED=1``, as the launcher gives a node; stdout and
+    stderr are pipes read to their end, as ``subprocess.run`` does, and a run past ``timeout`` is killed
+    (its process group) and raises ``subprocess.TimeoutExpired``."""
+    import selectors
+
+    cmd = [sys.executable, *CLI, *args]
+    env = {**THREADS, **(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+    t = None
+    if os.environ.get("BT_TEST_ZYGOTE") == "0":
+        _fallback(cmd, "BT_TEST_ZYGOTE=0")
+    elif threading.current_thread() is not threading.main_thread():
+        _fallback(cmd, f"started from thread {threading.current_thread().name}")
+    else:
+        t = _template_with(cmd, env)
+    if t is None:
+        return subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout, env=env)
+    deadline = time.monotonic() + timeout
+    (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
+    try:
+        pid = t.ask({"op": "spawn", "args": list(args), "env": env, "cwd": os.getcwd(), "cli": True},
+                    [out_w, err_w])["pid"]
+    except BaseException:
+        for fd in (out_r, err_r):
+            os.close(fd)
+        raise
+    finally:
+        for fd in (out_w, err_w):
+            os.close(fd)
+    counts["cli_forked"] = counts.get("cli_forked", 0) + 1
+    child = TemplateChild(t, cmd, pid)
+    bufs = {out_r: bytearray(), err_r: bytearray()}
+    sel = selectors.DefaultSelector()
+    for fd in bufs:
+        sel.register(fd, selectors.EVENT_READ)
+    try:
+        while sel.get_map():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for key, _ in sel.select(min(left, 1.0)):
+                data = os.read(key.fd, 1 << 16)
+                if data:
+                    bufs[key.fd] += data
+                else:
+                    sel.unregister(key.fd)
+        timed_out = bool(sel.get_map())
+        if not timed_out:
+            try:
+                child.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+        if timed_out:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            child.wait(10)
+    finally:
+        sel.close()
+        for fd in bufs:
+            os.close(fd)
+
+    def text(b: bytearray) -> str:   # as ``text=True``: the locale's encoding, universal newlines
+        import locale
+        return b.decode(locale.getpreferredencoding(False)).replace("\r\n", "\n").replace("\r", "\n")
+    out, err = text(bufs[out_r]), text(bufs[err_r])
+    if timed_out:
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err)
+    return subprocess.CompletedProcess(cmd, child.returncode, out, err)
 
 
 def children_cpu() -> float:
