@@ -89,19 +89,37 @@ def test_exit_code_output_and_environment_are_the_childs(tmp_path, use_template)
 
 
 def test_what_the_template_cannot_give_starts_as_usual(tmp_path):
-    """Another program, a command that is not a node's, piped stdio: ``subprocess.Popen``."""
+    """Another program, a command that is not a node's: ``subprocess.Popen``."""
     not_a_node = _start(tmp_path, "version", ["--version"], _env(), True)
     other_program = ManagedProcess("py", tmp_path / "py.log")
     other_program.popen = staticmethod(zygote.popen)
     other_program.start_process([sys.executable, "-c", "print('hi')"], env=_env())
-    piped = ManagedProcess("piped", tmp_path / "piped.log")
-    piped.popen = staticmethod(zygote.popen)
-    piped.start_process([*CLI, "seed", "--help"], env=_env(), pipe_stdio=True)
-    for m in (not_a_node, other_program, piped):
+    for m in (not_a_node, other_program):
         assert isinstance(m.proc, subprocess.Popen), m.name
-        if m is piped:
-            m.proc.stdout.read()
         assert m.wait(60) == 0, m.tail()
+
+
+@pytest.mark.parametrize("use_template", [True, False], ids=["template", "popen"])
+def test_piped_stdio_is_the_same_either_way(tmp_path, use_template):
+    """The launcher's piped stdio (JSON-lines test processes): stdin and stdout text pipes, stderr on the log."""
+    m = ManagedProcess("piped", tmp_path / "piped.log")
+    m.popen = staticmethod(zygote.popen if use_template else subprocess.Popen)
+    m.start_process([*CLI, "seed", "--help"], env=_env(), pipe_stdio=True)
+    assert isinstance(m.proc, zygote.TemplateChild) is use_template, zygote.fallbacks
+    assert m.proc.stdout.read().startswith("Usage: ") and m.wait(60) == 0, m.tail()
+    probe = ManagedProcess("probe", tmp_path / "probe.log")   # a JSON-lines test program: lines both ways
+    probe.popen = staticmethod(zygote.popen if use_template else subprocess.Popen)
+    probe.start_process([sys.executable, os.path.join(os.path.dirname(zygote.__file__), "dht_probe.py")],
+                        env=_env(), pipe_stdio=True)
+    try:
+        assert isinstance(probe.proc, zygote.TemplateChild) is use_template, zygote.fallbacks
+        assert json.loads(probe.proc.stdout.readline())["event"] == "ready", probe.tail()
+        probe.proc.stdin.write('{"cmd": "check"}\n')
+        assert json.loads(probe.proc.stdout.readline())["result"]["answers"] is True, probe.tail()
+        probe.proc.stdin.write('{"cmd": "quit"}\n')
+        assert probe.wait(60) == 0, probe.tail()
+    finally:
+        probe.stop(5)
 
 
 def test_nodes_die_with_the_template_and_their_cpu_is_counted(tmp_path):
@@ -164,3 +182,22 @@ def test_a_cli_runs_nodes_are_forked_from_its_copy(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     started = [x["cli_template"] for x in map(json.loads, log.read_text().splitlines()) if "cli_template" in x]
     assert started == [{"forked": len(json.loads(r.stdout)["nodes"]), "fallbacks": 0, "templates": 1}], started
+
+
+def test_which_commands_fork():
+    """Node commands fork: plain, through this folder's node wrappers, inside ``ip netns exec NS``; so do this
+    folder's test programs that import what the template has; other programs and commands do not."""
+    utils = os.path.join(os.path.dirname(os.path.abspath(zygote.__file__)))
+    probe, faulty = os.path.join(utils, "pipeline_probe.py"), os.path.join(utils, "faulty_node.py")
+    assert zygote._command([*CLI, "join", "--x"]) == {"args": ["join", "--x"], "script": None, "netns": None}
+    assert zygote._command([sys.executable, probe, "seed"]) == {"args": ["seed"], "script": probe, "netns": None}
+    assert zygote._command([sys.executable, faulty, "nan_hops", "join"]) == \
+        {"args": ["nan_hops", "join"], "script": faulty, "netns": None}
+    assert zygote._command(["ip", "netns", "exec", "btn1-h0", *CLI, "seed"]) == \
+        {"args": ["seed"], "script": None, "netns": "btn1-h0"}
+    for other in ([*CLI, "--version"], [*CLI, "bench", "swarm"], [sys.executable, faulty, "join"],
+                  [sys.executable, "-c", "pass"], ["faketime", "-f", "-120s", *CLI, "join"],
+                  [sys.executable, os.path.join(utils, "netns.py")], [sys.executable, zygote.__file__, "x"]):
+        assert zygote._command(other) is None, other
+    wire = os.path.join(utils, "wire_node.py")   # a test program that imports what the template has
+    assert zygote._command([sys.executable, wire, "--x"]) == {"args": ["--x"], "script": wire, "netns": None}

@@ -42,6 +42,10 @@ class JsonLinesProc(ManagedProcess):
 
     def __init__(self, name: str, cmd: Sequence[str], log_path: Path, *, env: dict | None = None):
         super().__init__(name, log_path)
+        # one thread per library, as the launcher gives a node (several test processes share the machine;
+        # and so the suite's node template can fork it: test_utils/zygote.py), unbuffered output
+        threads = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        env = {**threads, **(env or os.environ), "PYTHONUNBUFFERED": "1"}
         self.start_process(list(cmd), env=env, pipe_stdio=True, append=False)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()

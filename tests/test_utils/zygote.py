@@ -18,8 +18,12 @@ has the worker's ``PR_SET_PDEATHSIG``, each child the template's).
 A template is started with the first such node's environment; a node whose environment differs in what is
 read while torch and the node are imported (thread counts, allocator and loader settings,
 ``BT_EAGER_IMPORTS``, hivemind's settings) gets a template of its own, up to ``MAX_TEMPLATES`` per worker.
+A node run through one of this folder's wrappers (``WRAPPERS``: ``python faulty_node.py FAULT seed ...``)
+forks too, the wrapper run as ``python SCRIPT`` would run it. The tests' CLI runs (:func:`run_cli`) fork
+as well, with their output on pipes; the nodes such a run starts fork from a copy of it made before it
+runs (``swarm`` and the benches start several).
 What a template cannot give, and where the launcher falls back to ``subprocess.Popen``: another program
-(``entry`` wrappers: ``ip netns exec``, ``faketime``), a command that is not a node's (it would carry
+(``entry`` wrappers such as ``faketime``; ``ip netns exec NS`` forks, the child entering the namespace), a command that is not a node's (it would carry
 torch it never imports), piped stdio, an environment no template could start with single-threaded, and a
 start from any thread but the main one (the template must die with the worker, and a parent-death signal
 armed from another thread fires when that thread ends); ``fallbacks`` keeps the last reasons.
@@ -87,6 +91,25 @@ def _show_cmdline(argv: list[str]) -> None:
     ctypes.memmove(start, data, len(data))
 
 
+CLONE_NEWNET = 0x40000000
+
+
+def _enter_netns(name: str) -> None:
+    """Move this (single-threaded) process into the network namespace ``ip netns`` named ``name``."""
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):   # Python 3.12
+            os.setns(fd, CLONE_NEWNET)
+        else:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns({name}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def _become_node(req: dict, fds: list[int], die_with_template, started: int, import_env: dict) -> None:
     """In the forked child: become ``python -m blocktrain.cli.main ARGS`` (does not return). Once it has its
     own session and command line it closes ``started``, and only then does the template answer with its pid.
@@ -99,10 +122,14 @@ def _become_node(req: dict, fds: list[int], die_with_template, started: int, imp
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.setsid()
     die_with_template()   # SIGTERM when the template dies; exits at once if it already has
+    if req.get("netns"):   # what ``ip netns exec NS`` does for a process's network (it also remounts /sys)
+        _enter_netns(req["netns"])
+    # a node: [its log] for stdout and stderr; a CLI run (:func:`run_cli`): [stdout pipe, stderr pipe];
+    # a process the launcher pipes: [stdin pipe, stdout pipe, its log]
     devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(fds[0], 1)
-    os.dup2(fds[-1], 2)   # a node: both on its log; a CLI run (:func:`run_cli`): stdout and stderr pipes
+    stdio = fds if len(fds) == 3 else [devnull, fds[0], fds[-1]]
+    for target, fd in enumerate(stdio):
+        os.dup2(fd, target)
     for fd in (devnull, *fds):
         os.close(fd)
     os.chdir(req["cwd"])
@@ -113,16 +140,22 @@ def _become_node(req: dict, fds: list[int], die_with_template, started: int, imp
     from blocktrain.cli.main import NODE_COMMANDS
     if req.get("cli") and req["args"][:1] and req["args"][0] not in NODE_COMMANDS:
         _template_of_this_process(import_env, started)   # the nodes ``swarm`` and the benches start fork from a copy of it
-    _show_cmdline([sys.executable, *CLI, *req["args"]])
+    script = req.get("script")   # a node wrapper of this folder (``WRAPPERS``), run as ``python SCRIPT ARGS``
+    _show_cmdline([sys.executable, *([script] if script else CLI), *req["args"]])
     os.close(started)
-    sys.argv = ["-m", *req["args"]]   # as ``python -m``: run_module puts the module's file first
     sys.modules.pop("blocktrain.cli.main", None)   # as in a fresh process, it runs as __main__ only
     try:
         import numpy
         numpy.random.seed()   # a fresh process draws its own state (``random`` reseeds itself at fork)
     except ImportError:
         pass
-    runpy.run_module("blocktrain.cli.main", run_name="__main__", alter_sys=True)
+    if script:
+        sys.argv = [script, *req["args"]]
+        sys.path[0] = os.path.dirname(script)
+        runpy.run_path(script, run_name="__main__")
+    else:
+        sys.argv = ["-m", *req["args"]]   # as ``python -m``: run_module puts the module's file first
+        runpy.run_module("blocktrain.cli.main", run_name="__main__", alter_sys=True)
     sys.exit(0)
 
 
@@ -389,21 +422,51 @@ counts = {"forked": 0, "fallbacks": 0, "templates": 0}   # node commands forked 
 
 def _fallback(cmd, why: str) -> None:
     counts["fallbacks"] += 1
-    fallbacks.append(f"{' '.join(map(str, cmd[3:5]))}: {why}")
+    fallbacks.append(f"{' '.join(map(str, cmd[1:5]))}: {why}")
     del fallbacks[:-20]
 
 
-def _template_for(cmd, kw) -> _Template | None:
+HERE = os.path.dirname(os.path.realpath(__file__))
+# the test wrappers of a node in this folder (they patch the node, then run its CLI), and where in their
+# arguments the node command is
+WRAPPERS = {os.path.join(HERE, name): at for name, at in (("pipeline_probe.py", 0), ("faulty_node.py", 1))}
+# the test programs of this folder that are not nodes but import what the template has (hivemind, torch):
+# the wire test node, the hostile averager, the DHT probe
+PROGRAMS = {os.path.join(HERE, name) for name in ("wire_node.py", "hostile_averager.py", "dht_probe.py")}
+
+
+def _command(cmd) -> dict | None:
+    """What the template needs to fork ``cmd``, a node command: its arguments, the wrapper script it runs
+    through (or None) and the network namespace it runs in (``ip netns exec NS ...``, or None); None if
+    ``cmd`` is not one."""
     from blocktrain.cli.main import NODE_COMMANDS   # the commands that import what the template has
-    if list(cmd[:3]) != [sys.executable, *CLI] or len(cmd) < 4 or cmd[3] not in NODE_COMMANDS:
+    cmd, netns = list(map(str, cmd)), None
+    if cmd[:3] == ["ip", "netns", "exec"] and len(cmd) > 4:
+        netns, cmd = cmd[3], cmd[4:]
+    if cmd[:3] == [sys.executable, *CLI] and len(cmd) > 3 and cmd[3] in NODE_COMMANDS:
+        return {"args": cmd[3:], "script": None, "netns": netns}
+    if cmd[:1] == [sys.executable] and len(cmd) > 1 and os.path.realpath(cmd[1]) in WRAPPERS:
+        at = WRAPPERS[os.path.realpath(cmd[1])]
+        if len(cmd) > 2 + at and cmd[2 + at] in NODE_COMMANDS:
+            return {"args": cmd[2:], "script": cmd[1], "netns": netns}
+    if cmd[:1] == [sys.executable] and len(cmd) > 1 and os.path.realpath(cmd[1]) in PROGRAMS:
+        return {"args": cmd[2:], "script": cmd[1], "netns": netns}
+    return None
+
+
+def _template_for(cmd, kw) -> _Template | None:
+    if _command(cmd) is None:
         return None   # another program, or a command that imports less than a node (not worth noting)
     if os.environ.get("BT_TEST_ZYGOTE") == "0":
         return _fallback(cmd, "BT_TEST_ZYGOTE=0")
     if threading.current_thread() is not threading.main_thread():
         return _fallback(cmd, f"started from thread {threading.current_thread().name}")
-    if kw.get("stdin") is not subprocess.DEVNULL or kw.get("stderr") is not subprocess.STDOUT \
-            or not kw.get("start_new_session") or kw.get("cwd") or not hasattr(kw.get("stdout"), "fileno"):
-        return _fallback(cmd, "piped stdio, a cwd or no session of its own")
+    logged = kw.get("stdin") is subprocess.DEVNULL and kw.get("stderr") is subprocess.STDOUT \
+        and hasattr(kw.get("stdout"), "fileno")
+    piped = kw.get("stdin") is subprocess.PIPE and kw.get("stdout") is subprocess.PIPE \
+        and hasattr(kw.get("stderr"), "fileno") and kw.get("text") and kw.get("bufsize") == 1
+    if not (logged or piped) or not kw.get("start_new_session") or kw.get("cwd"):
+        return _fallback(cmd, "stdio other than the launcher's, a cwd or no session of its own")
     return _template_with(cmd, kw.get("env") or os.environ)
 
 
@@ -441,9 +504,25 @@ def popen(cmd, **kw):
     if t is None:
         return subprocess.Popen(cmd, **kw)
     env = dict(kw.get("env") or os.environ)
-    pid = t.ask({"op": "spawn", "args": list(cmd[3:]), "env": env, "cwd": os.getcwd()}, [kw["stdout"].fileno()])["pid"]
+    req = {"op": "spawn", **_command(cmd), "env": env, "cwd": os.getcwd()}
+    if kw["stdin"] is subprocess.DEVNULL:   # the launcher's log for stdout and stderr
+        pid = t.ask(req, [kw["stdout"].fileno()])["pid"]
+        counts["forked"] += 1
+        return TemplateChild(t, list(cmd), pid)
+    (in_r, in_w), (out_r, out_w) = os.pipe(), os.pipe()   # text pipes, line-buffered, as Popen makes them
+    try:
+        pid = t.ask(req, [in_r, out_w, kw["stderr"].fileno()])["pid"]
+    except BaseException:
+        for fd in (in_w, out_r):
+            os.close(fd)
+        raise
+    finally:
+        for fd in (in_r, out_w):
+            os.close(fd)
     counts["forked"] += 1
-    return TemplateChild(t, list(cmd), pid)
+    child = TemplateChild(t, list(cmd), pid)
+    child.stdin, child.stdout = open(in_w, "w", buffering=1), open(out_r)
+    return child
 
 
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
