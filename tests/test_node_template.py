@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -162,8 +163,10 @@ def test_a_cli_run_gives_what_subprocess_run_gives():
 
 def test_a_cli_runs_nodes_fork_from_its_copy_and_stop_with_it_past_its_timeout(tmp_path):
     """A ``swarm`` run killed at its timeout (serving, after 1 s of training) raises ``TimeoutExpired``; the
-    nodes it started (forked from its own copy of the template) stop with it."""
-    workdir = tmp_path / "sw"
+    nodes it started (forked from its own copy of the template) stop with it, and nothing of it is left in /tmp."""
+    workdir, tmp = tmp_path / "sw", tempfile.gettempdir()
+    zygote.run_cli(["--version"], timeout=60)   # this worker's template made: its folder is there before and after
+    before = sorted(os.listdir(tmp))
     with pytest.raises(subprocess.TimeoutExpired):
         zygote.run_cli(["swarm", "--nodes", "2", "--budget", "1s", "--keep-running", "--data", str(TEST_CORPUS),
                         "--set", "n_blocks=2", "--workdir", str(workdir)], timeout=25)
@@ -174,6 +177,7 @@ def test_a_cli_runs_nodes_fork_from_its_copy_and_stop_with_it_past_its_timeout(t
         time.sleep(0.2)
     ready = list(workdir.rglob("ready.json"))
     assert ready, "no node of the swarm came up within the timeout (nothing was checked)"
+    assert [n for n in os.listdir(tmp) if n.startswith("bt-zygote-") and n not in before] == []   # nothing left
 
 
 def test_a_cli_runs_nodes_are_forked_from_its_copy(tmp_path):

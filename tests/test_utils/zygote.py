@@ -291,7 +291,8 @@ class _Template:
                 self.proc.wait()
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class _ForkedProc:
@@ -340,8 +341,8 @@ def _template_of_this_process(import_env: dict, started: int) -> None:
     from blocktrain.node.swarm.launcher import ManagedProcess
     from blocktrain.p2p.process import parent_death_preexec
     t = _Template.__new__(_Template)
-    t.dir = tempfile.mkdtemp(prefix="bt-zygote-")
-    t.path = os.path.join(t.dir, "sock")
+    # an abstract socket (no file: nothing is left in /tmp when a test kills the run)
+    t.dir, t.path = None, f"\0bt-zygote-{os.getpid()}-{os.urandom(4).hex()}"
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(t.path)
     srv.listen(64)
