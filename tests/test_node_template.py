@@ -152,9 +152,9 @@ def test_a_cli_run_gives_what_subprocess_run_gives():
     command and environment: the same exit code, stdout and stderr."""
     env = {**NODE_ENV, **os.environ, "COLUMNS": "120"}
     for args in (["seed", "--no-such-flag"], ["--help"], ["bench", "swarm", "--help"], ["export", "--json"]):
-        before = zygote.counts.get("cli_forked", 0)
+        before = zygote.counts["cli_forked"]
         forked = zygote.run_cli(args, timeout=120, env=env)
-        assert zygote.counts.get("cli_forked", 0) == before + 1, zygote.fallbacks
+        assert zygote.counts["cli_forked"] == before + 1, zygote.fallbacks
         plain = subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
                                env={**env, "PYTHONUNBUFFERED": "1"})
         assert (forked.returncode, forked.stdout, forked.stderr) == (plain.returncode, plain.stdout, plain.stderr)
@@ -186,7 +186,8 @@ def test_a_cli_runs_nodes_are_forked_from_its_copy(tmp_path):
                         "--workdir", str(tmp_path / "sw"), "--json"], timeout=300, env={**os.environ, "BT_CPU_LOG": str(log)})
     assert r.returncode == 0, r.stderr[-3000:]
     started = [x["cli_template"] for x in map(json.loads, log.read_text().splitlines()) if "cli_template" in x]
-    assert started == [{"forked": len(json.loads(r.stdout)["nodes"]), "fallbacks": 0, "templates": 1}], started
+    assert started == [{"forked": len(json.loads(r.stdout)["nodes"]), "fallbacks": 0, "templates": 1,
+                        "cli_forked": 0}], started
 
 
 def test_which_commands_fork():

@@ -418,7 +418,8 @@ MAX_TEMPLATES = 3   # one per import-time environment the worker's nodes ask for
 _templates: list[_Template] = []
 _refused: list[dict] = []   # import-time environments a template could not start with (e.g. OpenBLAS threads)
 fallbacks: list[str] = []   # why the last node commands started with subprocess.Popen (the tests show it on failure)
-counts = {"forked": 0, "fallbacks": 0, "templates": 0}   # node commands forked or not, templates started
+# node commands forked or not, templates started, CLI runs forked (:func:`run_cli`)
+counts = {"forked": 0, "fallbacks": 0, "templates": 0, "cli_forked": 0}
 
 
 def _fallback(cmd, why: str) -> None:
@@ -507,23 +508,29 @@ def popen(cmd, **kw):
     env = dict(kw.get("env") or os.environ)
     req = {"op": "spawn", **_command(cmd), "env": env, "cwd": os.getcwd()}
     if kw["stdin"] is subprocess.DEVNULL:   # the launcher's log for stdout and stderr
-        pid = t.ask(req, [kw["stdout"].fileno()])["pid"]
+        pid = _spawn(t, req, [kw["stdout"].fileno()])
         counts["forked"] += 1
         return TemplateChild(t, list(cmd), pid)
     (in_r, in_w), (out_r, out_w) = os.pipe(), os.pipe()   # text pipes, line-buffered, as Popen makes them
-    try:
-        pid = t.ask(req, [in_r, out_w, kw["stderr"].fileno()])["pid"]
-    except BaseException:
-        for fd in (in_w, out_r):
-            os.close(fd)
-        raise
-    finally:
-        for fd in (in_r, out_w):
-            os.close(fd)
+    pid = _spawn(t, req, [in_r, out_w, kw["stderr"].fileno()], theirs=(in_r, out_w), ours=(in_w, out_r))
     counts["forked"] += 1
     child = TemplateChild(t, list(cmd), pid)
     child.stdin, child.stdout = open(in_w, "w", buffering=1), open(out_r)
     return child
+
+
+def _spawn(t: _Template, req: dict, fds: list[int], *, theirs=(), ours=()) -> int:
+    """Ask ``t`` to fork ``req`` with ``fds`` as the child's stdio; its pid. ``theirs``: the pipe ends only the
+    child keeps (closed here once sent, or on failure); ``ours``: the other ends (closed here on failure)."""
+    try:
+        return t.ask(req, fds)["pid"]
+    except BaseException:
+        for fd in ours:
+            os.close(fd)
+        raise
+    finally:
+        for fd in theirs:
+            os.close(fd)
 
 
 THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
@@ -553,17 +560,9 @@ def run_cli(args: list[str], *, timeout: float, env: dict | None = None) -> subp
         return subprocess.run(cmd, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=timeout, env=env)
     deadline = time.monotonic() + timeout
     (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
-    try:
-        pid = t.ask({"op": "spawn", "args": list(args), "env": env, "cwd": os.getcwd(), "cli": True},
-                    [out_w, err_w])["pid"]
-    except BaseException:
-        for fd in (out_r, err_r):
-            os.close(fd)
-        raise
-    finally:
-        for fd in (out_w, err_w):
-            os.close(fd)
-    counts["cli_forked"] = counts.get("cli_forked", 0) + 1
+    pid = _spawn(t, {"op": "spawn", "args": list(args), "env": env, "cwd": os.getcwd(), "cli": True},
+                 [out_w, err_w], theirs=(out_w, err_w), ours=(out_r, err_r))
+    counts["cli_forked"] += 1
     child = TemplateChild(t, cmd, pid)
     bufs = {out_r: bytearray(), err_r: bytearray()}
     sel = selectors.DefaultSelector()
