@@ -22,9 +22,11 @@ A node run through one of this folder's wrappers (``WRAPPERS``: ``python faulty_
 forks too, the wrapper run as ``python SCRIPT`` would run it. The tests' CLI runs (:func:`run_cli`) fork
 as well, with their output on pipes; the nodes such a run starts fork from a copy of it made before it
 runs (``swarm`` and the benches start several).
+So do the JSON-lines test programs of this folder (``PROGRAMS``), with the launcher's piped stdin and stdout,
+and nodes started inside ``ip netns exec NS`` (the child enters the namespace).
 What a template cannot give, and where the launcher falls back to ``subprocess.Popen``: another program
-(``entry`` wrappers such as ``faketime``; ``ip netns exec NS`` forks, the child entering the namespace), a command that is not a node's (it would carry
-torch it never imports), piped stdio, an environment no template could start with single-threaded, and a
+(``entry`` wrappers such as ``faketime``), a command that is not a node's (it would carry torch it never
+imports), other stdio than the launcher's, an environment no template could start with single-threaded, and a
 start from any thread but the main one (the template must die with the worker, and a parent-death signal
 armed from another thread fires when that thread ends); ``fallbacks`` keeps the last reasons.
 ``BT_TEST_ZYGOTE=0`` turns it off.
@@ -139,8 +141,8 @@ def _become_node(req: dict, fds: list[int], die_with_template, started: int, imp
         os.environ.setdefault(k, v)
     from blocktrain.cli.main import NODE_COMMANDS
     if req.get("cli") and req["args"][:1] and req["args"][0] not in NODE_COMMANDS:
-        _template_of_this_process(import_env, started)   # the nodes ``swarm`` and the benches start fork from a copy of it
-    script = req.get("script")   # a node wrapper of this folder (``WRAPPERS``), run as ``python SCRIPT ARGS``
+        _template_of_this_process(import_env, started)   # the nodes ``swarm`` and the benches start: from a copy
+    script = req.get("script")   # of this folder (``WRAPPERS``, ``PROGRAMS``): run as ``python SCRIPT ARGS``
     _show_cmdline([sys.executable, *([script] if script else CLI), *req["args"]])
     os.close(started)
     sys.modules.pop("blocktrain.cli.main", None)   # as in a fresh process, it runs as __main__ only
