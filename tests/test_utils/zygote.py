@@ -3,7 +3,8 @@
 Starting a node costs ~4 CPU-seconds, most of it importing torch and our CLI (BENCHMARKS "Suite time"),
 and the suite starts over a hundred. A test worker starts a template (:func:`popen`, installed as
 ``ManagedProcess.popen`` by ``conftest.py``): it imports what every node process imports before it
-parses its command line (our CLI, torch the way a node imports it, and the node), then waits on a unix socket.
+parses its command line (our CLI, torch the way a node imports it, and the node) and what the node imports as it
+starts (its HTTP API and rebalancing loop), then waits on a unix socket.
 Each ``python -m blocktrain.cli.main ...`` a :class:`~blocktrain.node.swarm.launcher.ManagedProcess`
 would start is instead forked from it; the child does what ``python -m`` would from there: its own
 session (process group), stdin from /dev/null, stdout and stderr on the log the launcher opened (its
@@ -53,7 +54,10 @@ CLI = ["-m", "blocktrain.cli.main"]
 # environment read while torch (or our lean import of it) loads: a child must see what the template saw
 IMPORT_TIME_ENV = ("OMP_", "MKL_", "KMP_", "OPENBLAS_", "GOMP_", "TORCH", "PYTORCH", "LD_", "MALLOC_", "GLIBC_",
                    "PYTHON", "BT_EAGER_IMPORTS", "BT_HIVEMIND_IN", "HIVEMIND", "CUDA", "NVIDIA")
-PRELOAD = ("blocktrain.cli.node_cmds", "blocktrain.node.node")   # what a node command imports before it runs
+# what a node command imports before it runs, and what the node imports as it starts (its HTTP API: FastAPI,
+# pydantic, uvicorn, ~0.25 CPU-s a node here; its rebalancing loop)
+PRELOAD = ("blocktrain.cli.node_cmds", "blocktrain.node.node", "blocktrain.node.http.server",
+           "blocktrain.node.rebalance")
 
 
 def _import_time_env(env: dict) -> dict:
