@@ -18,6 +18,7 @@ test side, its gradients: ``test_utils/pipeline_probe.py``).
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,40 +68,73 @@ class Probed:
         return {**SETS, "objective": self.objective}
 
 
+def _probe_swarm(base: Path, run: str, objective: str, extra: tuple[str, ...], sw: _Swarm) -> dict[int, NodeProc]:
+    """Start the four probed holders (block 0 last: its holder sends once the chain is complete) and wait
+    until both micro-batches went through every stage."""
+    sets = [x for k, v in {**SETS, "objective": objective}.items() for x in ("--set", f"{k}={v}")]
+    common = ["--data", str(TEST_CORPUS), "--device", "cpu", "--pipeline-accumulate", "4096",
+              "--average-every", "1000000", "--average-period", "1e9", "--average-clock", "0", *extra]
+    for b in (3, 2, 1, 0):
+        args = (["seed", "--run-id", run, *sets] if b == 3 else
+                ["join", "--initial-peers", sw.nodes[0].info["maddrs"][0], "--run-id", run])
+        n = NodeProc(f"b{b}", [*args, "--block", str(b), *common], base / f"b{b}", 0,   # 0: the node binds a port itself
+                     entry=[sys.executable, str(HERE / "pipeline_probe.py")])
+        n.env = {"BT_PROBE_DIR": str(base / f"probe{b}"), "BT_PROBE_CODECS": "fp32,fp16",
+                 "BT_PROBE_WINDOWS": str(base.parent / "windows.pt")}
+        sw.nodes.append(n)
+        n.start(env=n.env)
+        n.wait_ready(timeout=180)
+    wait_for(lambda: all((base / f"probe{b}" / "grads-1.pt").exists() for b in range(4)), 180,
+             "two micro-batches through every stage")
+    return {b: sw.nodes[3 - b] for b in range(4)}
+
+
+def _resends(by_block: dict[int, NodeProc]) -> dict[int, dict]:
+    """The senders whose two micro-batches did not go out exactly once each, with what their stats say."""
+    out = {}
+    for b in range(3):
+        pipe = by_block[b].get("/v1/status")["self"]["pipeline"]
+        if pipe["traffic"]["calls_out"] != 2:
+            out[b] = {k: v for k, v in {**pipe, **pipe["traffic"]}.items()
+                      if isinstance(v, (int, float)) and v and k not in ("block", "held_now")}
+    return out
+
+
 @pytest.fixture(scope="module", params=[("pipeline", ()), ("pipeline-chunked", ()),
                                         ("pipeline", ("--pipeline-recompute",)),
                                         ("pipeline", ("--pipeline-recompute", "--pipeline-layer-checkpoint"))],
                 ids=["pipeline", "pipeline-chunked", "pipeline-recompute", "pipeline-recompute-layer-checkpoint"])
 def probed(request, tmp_path_factory):
+    """The probed swarm, its two micro-batches delivered exactly once. A resent micro-batch (a cut answer stream
+    is asked again of the same holder: ``retried_same``, ARCHITECTURE "Training traffic") is trained twice below
+    the resend and, as the probe switches a holder's codec at its first answer, goes on in fp16: the exact
+    comparison cannot be made on it (the last CI on record before this check, 2026-12-07: block 0 sent the fp32
+    micro-batch twice). Such a swarm is stopped and the probe made once more on a fresh one; twice fails."""
     objective, extra = request.param
     run = "-".join(["pipegrad", objective, *(x.removeprefix("--pipeline-") for x in extra)])
-    base = tmp_path_factory.mktemp(run)
+    root = tmp_path_factory.mktemp(run)
     windows = torch.randint(0, 256, (N, T + 1), generator=torch.Generator().manual_seed(11))
-    torch.save(windows, base / "windows.pt")
-    sets = [x for k, v in {**SETS, "objective": objective}.items() for x in ("--set", f"{k}={v}")]
-    common = ["--data", str(TEST_CORPUS), "--device", "cpu", "--pipeline-accumulate", "4096",
-              "--average-every", "1000000", "--average-period", "1e9", "--average-clock", "0", *extra]
-    nodes: list[NodeProc] = []
-    sw = _Swarm(base, nodes)
+    torch.save(windows, root / "windows.pt")
+    swarms: list[_Swarm] = []
     try:
-        for b in (3, 2, 1, 0):   # block 0 last: its holder sends once the chain is complete
-            args = (["seed", "--run-id", run, *sets] if b == 3 else
-                    ["join", "--initial-peers", nodes[0].info["maddrs"][0], "--run-id", run])
-            n = NodeProc(f"b{b}", [*args, "--block", str(b), *common], base / f"b{b}", 0,   # 0: the node binds a port itself
-                         entry=[sys.executable, str(HERE / "pipeline_probe.py")])
-            n.env = {"BT_PROBE_DIR": str(base / f"probe{b}"), "BT_PROBE_CODECS": "fp32,fp16",
-                     "BT_PROBE_WINDOWS": str(base / "windows.pt")}
-            nodes.append(n)
-            n.start(env=n.env)
-            n.wait_ready(timeout=180)
-        by_block = {b: nodes[3 - b] for b in range(4)}
-        wait_for(lambda: all((base / f"probe{b}" / "grads-1.pt").exists() for b in range(4)), 180,
-                 "two micro-batches through every stage")
+        for attempt in (1, 2):
+            sw = _Swarm(root / f"try{attempt}", [])
+            swarms.append(sw)
+            by_block = _probe_swarm(sw.base, f"{run}-{attempt}", objective, extra, sw)
+            resent = _resends(by_block)
+            if not resent:
+                break
+            assert attempt == 1, f"micro-batches resent again on a fresh swarm: {resent}"
+            warnings.warn(f"{run}: micro-batches resent ({resent}); probing once more on a fresh swarm")
+            swarms.remove(sw)
+            stop_swarm(sw)
         d = get_objective(ModelConfig(**{**SETS, "objective": objective})).state_dim()
-        yield Probed(base, by_block, windows, objective, run, d, recompute="--pipeline-recompute" in extra,
+        yield Probed(sw.base, by_block, windows, objective, f"{run}-{attempt}", d,
+                     recompute="--pipeline-recompute" in extra,
                      layer_checkpoint="--pipeline-layer-checkpoint" in extra)
     finally:
-        stop_swarm(sw)
+        for sw in swarms:
+            stop_swarm(sw)
 
 
 def reference(probed: Probed):
