@@ -96,7 +96,7 @@ def _resends(by_block: dict[int, NodeProc]) -> dict[int, dict]:
         pipe = by_block[b].get("/v1/status")["self"]["pipeline"]
         if pipe["traffic"]["calls_out"] != 2:
             out[b] = {k: v for k, v in {**pipe, **pipe["traffic"]}.items()
-                      if isinstance(v, (int, float)) and v and k not in ("block", "held_now")}
+                      if (isinstance(v, (int, float)) and v and k not in ("block", "held_now")) or k == "lost_by_reason"}
     return out
 
 
