@@ -5,7 +5,8 @@ streams, D = 2 d_model; and a ``pipeline`` run whose holders keep inputs, not gr
 forward again before its backward: ``--pipeline-recompute``, and with it ``--pipeline-layer-checkpoint``: every
 forward that records a graph keeps only each layer's input and the backward runs each layer again); block 0's holder sends one fixed
 micro-batch through the chain in fp32 and then the same one in fp16 (each node's engine records,
-test side, its gradients: ``test_utils/pipeline_probe.py``).
+test side, its gradients: ``test_utils/pipeline_probe.py``). The comparison needs each micro-batch delivered exactly
+once: a swarm where one was resent (a cut answer stream) is probed once more afresh (``probed``).
 
 * fp32: the activation gradient each stage answers (dL/dh_b at every boundary) and every block's
   parameter gradients equal ``blocks.chain_train.chain_gradients`` on the same weights and batch,
