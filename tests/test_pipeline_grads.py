@@ -6,7 +6,8 @@ forward again before its backward: ``--pipeline-recompute``, and with it ``--pip
 forward that records a graph keeps only each layer's input and the backward runs each layer again); block 0's holder sends one fixed
 micro-batch through the chain in fp32 and then the same one in fp16 (each node's engine records,
 test side, its gradients: ``test_utils/pipeline_probe.py``). The comparison needs each micro-batch delivered exactly
-once: a swarm where one was resent (a cut answer stream) is probed once more afresh (``probed``).
+once: a swarm where one was resent (a cut answer stream, or one lost after it went out) is probed once more afresh
+(``probed``).
 
 * fp32: the activation gradient each stage answers (dL/dh_b at every boundary) and every block's
   parameter gradients equal ``blocks.chain_train.chain_gradients`` on the same weights and batch,
@@ -110,7 +111,7 @@ def probed(request, tmp_path_factory):
     is asked again of the same holder: ``retried_same``, ARCHITECTURE "Training traffic") is trained twice below
     the resend and, as the probe switches a holder's codec at its first answer, goes on in fp16: the exact
     comparison cannot be made on it (the last CI on record before this check, 2026-12-07: block 0 sent the fp32
-    micro-batch twice). Such a swarm is stopped and the probe made once more on a fresh one; twice fails."""
+    micro-batch twice; why was not recorded, the warning now gives the senders' counters). Such a swarm is stopped and the probe made once more on a fresh one; twice fails."""
     objective, extra = request.param
     run = "-".join(["pipegrad", objective, *(x.removeprefix("--pipeline-") for x in extra)])
     root = tmp_path_factory.mktemp(run)
