@@ -110,9 +110,11 @@ def test_h200_preset_runs_at_tiny_size_on_cpu(tmp_path):
     s, r = res["settings"], res["runs"]["pipeline"]
     assert s["preset"] == "h200" and s["compression"] == "fp16" and s["inflight"] == 8 and s["device"] == "cpu"
     assert r["chain_ce"] < r["chain_ce_init"] - 0.3 and r["microbatches_completed"] > 0
-    # fp16 on the wire: block 0's pipeline messages carry 2 bytes per activation value, not 4
+    # fp16 on the wire: block 0's calls carry 2 bytes per activation value, not 4 (per call, not per window read:
+    # a resend on a busy machine sends a window's activations again; CI 120 broke the per-window bound so)
     b0 = [w for w in r["workers"] if w["block"] == 0][0]
-    assert 0 < b0["pipeline_bytes_sent"] < b0["windows"] * 32 * 32 * 4
+    assert b0["pipeline_calls_out"] > 0 and b0["pipeline_bytes_sent"] > 0
+    assert 0 < b0["activation_bytes_sent"] <= b0["pipeline_calls_out"] * 4 * 32 * 32 * 2
 
 
 @pytest.mark.parametrize("flags", [["--inflight", "1"], ["--inflight", "3", "--flush"]], ids=["inflight1", "flush"])
