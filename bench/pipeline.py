@@ -275,8 +275,9 @@ class _Network:
                 "tokens": (st["self"]["samples_seen"] - st0["self"]["samples_seen"]) * T,
                 "bytes_sent": sent, "bytes_sent_per_step": sent / steps if steps else None,
                 "pipeline_bytes_sent": int(m.get("pipeline_wire_bytes_sent_total", 0)),
-                "pipeline_calls_out": (pipe.get("traffic") or {}).get("calls_out"),   # since the node started,
-                "activation_bytes_sent": (pipe.get("traffic") or {}).get("activation_bytes_sent"),   # resends included
+                # the node's pipeline calls and activation bytes since it started, resends included
+                "pipeline_calls_out": (pipe.get("traffic") or {}).get("calls_out"),
+                "activation_bytes_sent": (pipe.get("traffic") or {}).get("activation_bytes_sent"),
                 "averaging_bytes_sent": int(st["averaging"].get("bytes_sent", 0)),
                 "averaging_rounds_ok": st["averaging"]["succeeded"], "peak_rss_mib": rss,
                 "cpu_s": c and round(c[0], 2), "cpu_s_with_children": c and round(c[1], 2),

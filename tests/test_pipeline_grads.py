@@ -70,9 +70,10 @@ class Probed:
         return {**SETS, "objective": self.objective}
 
 
-def _probe_swarm(base: Path, run: str, objective: str, extra: tuple[str, ...], sw: _Swarm) -> dict[int, NodeProc]:
-    """Start the four probed holders (block 0 last: its holder sends once the chain is complete) and wait
-    until both micro-batches went through every stage."""
+def _probe_swarm(sw: _Swarm, run: str, objective: str, extra: tuple[str, ...]) -> dict[int, NodeProc]:
+    """Start the four probed holders in ``sw.base`` (block 0 last: its holder sends once the chain is complete)
+    and wait until both micro-batches went through every stage."""
+    base = sw.base
     sets = [x for k, v in {**SETS, "objective": objective}.items() for x in ("--set", f"{k}={v}")]
     common = ["--data", str(TEST_CORPUS), "--device", "cpu", "--pipeline-accumulate", "4096",
               "--average-every", "1000000", "--average-period", "1e9", "--average-clock", "0", *extra]
@@ -111,7 +112,8 @@ def probed(request, tmp_path_factory):
     is asked again of the same holder: ``retried_same``, ARCHITECTURE "Training traffic") is trained twice below
     the resend and, as the probe switches a holder's codec at its first answer, goes on in fp16: the exact
     comparison cannot be made on it (the last CI on record before this check, 2026-12-07: block 0 sent the fp32
-    micro-batch twice; why was not recorded, the warning now gives the senders' counters). Such a swarm is stopped and the probe made once more on a fresh one; twice fails."""
+    micro-batch twice; why was not recorded, the warning now gives the senders' counters). Such a swarm is
+    stopped and the probe made once more on a fresh one; twice fails."""
     objective, extra = request.param
     run = "-".join(["pipegrad", objective, *(x.removeprefix("--pipeline-") for x in extra)])
     root = tmp_path_factory.mktemp(run)
@@ -122,7 +124,7 @@ def probed(request, tmp_path_factory):
         for attempt in (1, 2):
             sw = _Swarm(root / f"try{attempt}", [])
             swarms.append(sw)
-            by_block = _probe_swarm(sw.base, f"{run}-{attempt}", objective, extra, sw)
+            by_block = _probe_swarm(sw, f"{run}-{attempt}", objective, extra)
             resent = _resends(by_block)
             if not resent:
                 break
