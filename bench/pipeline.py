@@ -43,17 +43,21 @@ Presets: the default (CPU, sized for a 2-core machine), ``tiny`` (seconds, for t
 ``h200`` (bf16 autocast on one CUDA device shared by every worker, sized for at most 8 minutes on
 one H200; its plan is :func:`plan_seconds`). Figures: run it; none are recorded here.
 
-About 450 lines: the bench's settings, one network's run and report, its curve, serving and the
+A record made with ``--no-wall-reference`` gets that reference afterwards from :func:`add_wall_reference`
+(``bt-node bench pipeline-wall-reference``): the same process, trained with the record's own settings.
+
+About 600 lines: the bench's settings, one network's run and report, its curve, serving and the
 references' orchestration belong together; the plot (``pipeline_plot.py``), the references' child
 (``pipeline_refs.py``) and the CPU reading (``proc_cpu.py``) are apart.
 """
 from __future__ import annotations
 
+import copy
 import math
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -65,6 +69,7 @@ from blocktrain.bench.proc_cpu import cpu_s as _cpu_s, diff as _diff, spread as 
 from blocktrain.bench.swarm import _env, _metrics, init_blocks
 from blocktrain.blocks import checkpoint as ckpt
 from blocktrain.blocks.config import ModelConfig
+from blocktrain.blocks.data import resolve_data
 from blocktrain.blocks.default_data import resolve_default
 from blocktrain.blocks.evaluate import per_window_chain_ce
 from blocktrain.blocks.objectives import get_objective
@@ -493,14 +498,10 @@ def _references(s: PipelineBenchSettings, cfg: ModelConfig, data_used: str, wind
     if both:
         refs["one_block"] = one
     elif s.wall_reference:   # cosine: a second process, decaying over the wall time
-        refs["one_block"] = train_reference(one_cfg, data_used, cfg.layers_per_block, windows, seconds=s.train_s,
-                                            device=s.device, seed=s.seed, train_w=train_w, schedule=sched)
-        refs["one_block"].pop("at_cpu")
-        refs["one_block"].pop("curve")
+        refs["one_block"] = _one_block_wall(s, cfg, data_used, windows, train_w)
     chain = runs[src].get("chain_ce_per_window")
     for ref in refs.values():   # the chain minus each reference, window by window
-        if chain and len(chain) >= 2:   # the same windows: paired_bootstrap refuses arrays of unequal length
-            ref["chain_minus"] = {"chain": src, **paired_bootstrap(chain, ref["per_window"]).to_dict()}
+        _chain_minus(ref, src, chain)
 
     def vs(ref: dict) -> str:
         d = ref.get("chain_minus")
@@ -514,6 +515,67 @@ def _references(s: PipelineBenchSettings, cfg: ModelConfig, data_used: str, wind
         msg += f", {wall['ce']:.4f} after {wall['train_wall_s']:.0f}s of wall time ({wall['steps']} steps{vs(wall)})"
     say(msg)
     return refs
+
+
+def _one_block_wall(s: PipelineBenchSettings, cfg: ModelConfig, data_used: str, windows: torch.Tensor,
+                    train_w: torch.Tensor | None) -> dict:
+    """The one-block model alone for ``s.train_s`` of wall time (one thread, a core to itself), its schedule
+    decaying over that time, in a process of its own."""
+    ref = train_reference({**cfg.to_dict(), "lr": s.lrs.get("one_block", cfg.lr)}, data_used, cfg.layers_per_block,
+                          windows, seconds=s.train_s, device=s.device, seed=s.seed, train_w=train_w,
+                          schedule=s.lr_schedule)
+    ref.pop("at_cpu")
+    ref.pop("curve")
+    return ref
+
+
+def _chain_minus(ref: dict, src: str, chain: list[float] | None) -> None:
+    if chain and len(chain) >= 2:   # the same windows: paired_bootstrap refuses arrays of unequal length
+        ref["chain_minus"] = {"chain": src, **paired_bootstrap(chain, ref["per_window"]).to_dict()}
+
+
+def add_wall_reference(rec: dict, *, on_progress: Callable[[str], None] | None = None) -> dict:
+    """A recorded run's missing one-block reference after the same wall time (``--no-wall-reference`` left it
+    out: at 80 minutes it costs 80 more): trained now, in a fresh one-thread process with the record's own
+    config, data, seed, learning rate and schedule, scored on the same held-out (and training) windows, and
+    compared with the recorded chain window by window. Returns a new record with ``references.one_block``
+    (marked ``trained_apart``); ``rec`` is not changed. Run it with the machine to itself, as the bench would."""
+    say = on_progress or (lambda _msg: None)
+    missing = [k for k in ("settings", "data", "protocol", "runs") if not rec.get(k)]
+    if missing:
+        raise ValueError(f"the record has no {', '.join(missing)}: not one `bench pipeline --record` wrote")
+    if (rec.get("references") or {}).get("one_block"):
+        raise ValueError("the record already has the one-block reference after the same wall time")
+    names = {f.name for f in fields(PipelineBenchSettings)}
+    s = PipelineBenchSettings(**{k: v for k, v in rec["settings"].items() if k in names})
+    cfg = ModelConfig.from_dict(typed_settings([*s.overrides, *([f"init_seed={s.seed}"] if s.seed else [])]),
+                                source="the record's config")
+    if s.device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"the run trained on {s.device}: no CUDA device here")
+    src = "pipeline" if "pipeline" in rec["runs"] else next(iter(rec["runs"]))
+    chain = rec["runs"][src].get("chain_ce_per_window")
+    if not isinstance(chain, list) or len(chain) != s.eval_windows or len(chain) < 2:
+        raise ValueError(f"the record's {src} chain has no CE for each of its {s.eval_windows} held-out windows")
+    data_used = rec["data"]   # the source the run resolved, never "auto"
+    split = resolve_data(data_used, seq_len=cfg.seq_len)
+    if split.protocol != rec["protocol"]:
+        raise ValueError(f"{data_used} reads as protocol {split.protocol} here; the record's is {rec['protocol']}")
+    windows = eval_windows(split.eval, cfg.seq_len, s.eval_windows)
+    n_train = rec.get("train_windows", s.train_windows)
+    train_w = eval_windows(split.train, cfg.seq_len, n_train) if n_train else None
+    say(f"one-block model alone for {s.train_s:.0f}s of wall time (seed {s.seed}, lr "
+        f"{s.lrs.get('one_block', cfg.lr):g}, {s.lr_schedule}) on {data_used}")
+    ref = _one_block_wall(s, cfg, data_used, windows, train_w)
+    ref["trained_apart"] = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                            "chain_recorded": rec.get("date")}
+    _chain_minus(ref, src, chain)
+    d = ref.get("chain_minus")
+    say(f"one-block CE {ref['ce']:.4f} after {ref['train_wall_s']:.0f}s ({ref['steps']} steps); chain minus it "
+        f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]")
+    out = copy.deepcopy(rec)
+    out.setdefault("references", {})["one_block"] = ref
+    out["settings"]["wall_reference"] = True
+    return out
 
 
 def plan_seconds(s: PipelineBenchSettings) -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import time
 from pathlib import Path
 
@@ -128,7 +129,7 @@ def _child(q, parent: int, cfg_dict: dict, data: str, n_layers: int, seconds: fl
 def train_reference(cfg_dict: dict, data: str, n_layers: int, eval_w: torch.Tensor, *,
                     seconds: float | None = None, windows_n: int | None = None, cpu_seconds: float | None = None,
                     marks: list[float] = (), curve_w: torch.Tensor | None = None, device: str = "cpu",
-                    seed: int = 0, timeout: float = 3600.0, train_w: torch.Tensor | None = None,
+                    seed: int = 0, timeout: float | None = None, train_w: torch.Tensor | None = None,
                     schedule: str = "constant") -> dict:
     """Train one reference in a fresh process until every budget given is spent: ``seconds`` of training
     wall time, ``windows_n`` windows, ``cpu_seconds`` of its own process CPU time; scored on ``eval_w`` when
@@ -137,7 +138,8 @@ def train_reference(cfg_dict: dict, data: str, n_layers: int, eval_w: torch.Tens
     CPU-seconds mark of ``marks`` (``curve``); with ``train_w`` each headline reading also carries ``ce_train``
     (CE on windows of the training bytes). ``schedule``: ``constant`` after warm-up, or ``cosine`` to a tenth
     of the peak over the budget (the wall time if given, else the windows, else the CPU time; ``lr_last``: the
-    last step's rate). Scoring is off both clocks."""
+    last step's rate). Scoring is off both clocks. The wait lasts as long as the child lives (its budgets bound
+    it; a fixed 3,600 s cut off an 80-minute wall-time reference), or ``timeout`` seconds if given."""
     if seconds is None and windows_n is None and cpu_seconds is None:
         raise ValueError("a reference needs a budget: seconds, windows or CPU seconds")
     ctx = mp.get_context("spawn")
@@ -146,8 +148,22 @@ def train_reference(cfg_dict: dict, data: str, n_layers: int, eval_w: torch.Tens
                                                   list(marks), eval_w, curve_w, device, seed, train_w, schedule),
                     daemon=True)
     p.start()
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        res = q.get(timeout=timeout)
+        while True:
+            try:
+                res = q.get(timeout=2.0)
+                break
+            except queue.Empty:
+                if not p.is_alive():   # its result, put just before it left, may still be on the way
+                    try:
+                        res = q.get(timeout=10.0)
+                        break
+                    except queue.Empty:
+                        raise RuntimeError(f"reference ({n_layers} layers) exited with code {p.exitcode} "
+                                           "before it reported") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"reference ({n_layers} layers) still training after {timeout:.0f}s")
     finally:
         p.join(timeout=30)
         if p.is_alive():

@@ -1,6 +1,7 @@
 """bt-node bench pipeline: training along the chain vs block-local, at equal wall time (logic in bench/pipeline.py)."""
 from __future__ import annotations
 
+import os
 import signal
 
 import click
@@ -287,3 +288,36 @@ def bench_pipeline_compare_cmd(records, a_arm, b_arm, objective, as_json):
     how = "two-level paired bootstrap, seeds and windows" if len(pairs) > 1 else "paired bootstrap"
     click.echo(f"A minus B over {over} ({res['windows']['protocol']}): "
                f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}] ({how}, {d['level']:.0%})")
+
+
+@click.command("pipeline-wall-reference")
+@click.argument("source", type=click.Path(exists=True, dir_okay=False))
+@click.option("--record", type=click.Path(dir_okay=False), required=True,
+              help="Append the completed record here (SOURCE is only read).")
+@click.option("--json", "as_json", is_flag=True, help="Print the completed record as JSON, not the table.")
+@friendly
+def bench_pipeline_wall_reference_cmd(source, record, as_json):
+    """Add the one-block reference after the same wall time to a `bench pipeline --no-wall-reference`
+    record: train it now, in a fresh one-thread process, with the record's own config, data, seed,
+    learning rate and schedule, for its --train-seconds; score it on the same held-out windows and
+    compare it with the recorded chain window by window. SOURCE's last line is used; the completed
+    record is appended to --record (then `pipeline-compare ... --b one_block`). Give it the machine
+    to itself, as the bench would (two such references at once take a core each).
+
+    \b
+    Example:
+      OMP_NUM_THREADS=1 bt-node bench pipeline-wall-reference run32.jsonl --record run32-wall.jsonl"""
+    from blocktrain.bench.pipeline import add_wall_reference   # hivemind
+    from blocktrain.bench.pipeline_compare import load_record
+    if os.path.abspath(record) == os.path.abspath(source):
+        raise click.BadParameter("give a new file: SOURCE is only read", param_hint="--record")
+    rec = load_record(source)
+    def _stop(signum, _frame):   # SIGTERM (timeout, kill): unwind, so the reference's process is stopped
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, _stop)
+    res = add_wall_reference(rec, on_progress=_say(as_json))
+    _record(record, res)
+    if as_json:
+        emit_json(res)
+    else:
+        err_console.print(pipeline_table(res))

@@ -67,7 +67,8 @@ def cli(ctx: click.Context):
     "inference": ".bench_net_cmds:bench_inference_cmd", "compression": ".bench_net_cmds:bench_compression_cmd",
     "p2p": ".bench_net_cmds:bench_p2p_cmd", "simulate": ".bench_sim_cmd:bench_simulate_cmd",
     "pipeline": ".bench_pipeline_cmd:bench_pipeline_cmd",
-    "pipeline-compare": ".bench_pipeline_cmd:bench_pipeline_compare_cmd"})
+    "pipeline-compare": ".bench_pipeline_cmd:bench_pipeline_compare_cmd",
+    "pipeline-wall-reference": ".bench_pipeline_cmd:bench_pipeline_wall_reference_cmd"})
 def bench():
     """Benchmarks that print a table (and JSON with --json)."""
 
