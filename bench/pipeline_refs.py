@@ -149,6 +149,7 @@ def train_reference(cfg_dict: dict, data: str, n_layers: int, eval_w: torch.Tens
                     daemon=True)
     p.start()
     deadline = None if timeout is None else time.monotonic() + timeout
+    res = None
     try:
         while True:
             try:
@@ -165,7 +166,7 @@ def train_reference(cfg_dict: dict, data: str, n_layers: int, eval_w: torch.Tens
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"reference ({n_layers} layers) still training after {timeout:.0f}s")
     finally:
-        p.join(timeout=30)
+        p.join(timeout=30 if res is not None else 0)   # reported: it leaves by itself; else (timeout, ^C) at once
         if p.is_alive():
             p.kill()
             p.join()

@@ -111,5 +111,5 @@ def test_a_reference_past_its_timeout_raises_and_its_process_is_gone():
     with pytest.raises(TimeoutError, match="still training"):
         train_reference(cfg.to_dict(), str(TEST_CORPUS), 1, torch.zeros(2, cfg.seq_len + 1, dtype=torch.long),
                         seconds=600, timeout=4)
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 25   # stopped at once, not left its 30 s to finish
     assert not [c for c in mp.active_children() if c.pid not in before]
