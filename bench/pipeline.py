@@ -154,6 +154,11 @@ class PipelineBenchSettings:
         if self.lr_schedule not in ("constant", "cosine"):
             raise ValueError(f"--lr-schedule must be constant or cosine, got {self.lr_schedule!r}")
 
+    def base_config(self) -> ModelConfig:
+        """The config every arm shares (each network adds its objective): the overrides and the seed's init."""
+        sets = [*self.overrides, *([f"init_seed={self.seed}"] if self.seed else [])]
+        return ModelConfig.from_dict(typed_settings(sets), source="bench pipeline config")
+
     def arms(self) -> list[str]:
         """Everything this run trains, each with its own learning rate: the objectives' networks, then the
         references (``one_block`` is one process, scored at the CPU budget and after the wall time)."""
@@ -397,8 +402,7 @@ def _serve(cfg: ModelConfig, sets: list[str], chain_ckpts: list[str], s: Pipelin
 def run_bench_pipeline(s: PipelineBenchSettings, *, workdir: str | None = None,
                        on_progress: Callable[[str], None] | None = None) -> dict:
     say = on_progress or (lambda _msg: None)
-    base_cfg = ModelConfig.from_dict(typed_settings([*s.overrides, *([f"init_seed={s.seed}"] if s.seed else [])]),
-                                     source="bench pipeline config")
+    base_cfg = s.base_config()
     s.validate(base_cfg)
     own_dir = workdir is None
     base = Path(workdir or tempfile.mkdtemp(prefix="bt-bench-pipeline-"))
@@ -548,8 +552,7 @@ def add_wall_reference(rec: dict, *, on_progress: Callable[[str], None] | None =
         raise ValueError("the record already has the one-block reference after the same wall time")
     names = {f.name for f in fields(PipelineBenchSettings)}
     s = PipelineBenchSettings(**{k: v for k, v in rec["settings"].items() if k in names})
-    cfg = ModelConfig.from_dict(typed_settings([*s.overrides, *([f"init_seed={s.seed}"] if s.seed else [])]),
-                                source="the record's config")
+    cfg = s.base_config()   # the run's own: the reference must train what the bench would have
     if s.device != "cpu" and not torch.cuda.is_available():
         raise ValueError(f"the run trained on {s.device}: no CUDA device here")
     src = "pipeline" if "pipeline" in rec["runs"] else next(iter(rec["runs"]))
