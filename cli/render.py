@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import sys
 
@@ -10,7 +11,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-err_console = Console(stderr=True)
+
+
+def _stderr_console() -> Console:
+    """rich fits a table to a terminal's width; written to a file or a pipe (the log of a long benchmark, run with
+    nohup) it would squeeze a wide table into 80 columns, a character or two per cell. There, unless COLUMNS says
+    otherwise, tables keep their natural width (up to 400 columns)."""
+    wide = not sys.stderr.isatty() and "COLUMNS" not in os.environ
+    return Console(stderr=True, width=400 if wide else None)
+
+
+err_console = _stderr_console()
 
 
 # C0 controls but tab and newline, DEL, C1: escape sequences that can move the cursor, clear the screen,
