@@ -12,7 +12,6 @@ from rich.markup import escape
 from rich.table import Table
 
 
-
 def _stderr_console() -> Console:
     """rich fits a table to a terminal's width; written to a file or a pipe (the log of a long benchmark, run with
     nohup) it would squeeze a wide table into 80 columns, a character or two per cell. There, unless COLUMNS says

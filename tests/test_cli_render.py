@@ -7,7 +7,7 @@ import sys
 HEADERS = [f"column-{i}-" + "x" * 22 for i in range(8)]   # 8 x 31 characters: far wider than 80 columns
 SCRIPT = ("from rich.table import Table\n"
           "from blocktrain.cli.render import err_console\n"
-          f"t = Table()\n"
+          "t = Table()\n"
           f"for h in {HEADERS!r}:\n"
           "    t.add_column(h)\n"
           f"t.add_row(*{['1.4527'] * 8!r})\n"
